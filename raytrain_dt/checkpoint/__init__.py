@@ -1,0 +1,1 @@
+"""Checkpoint discovery, train state records and retention."""

@@ -1,0 +1,121 @@
+"""Connecting to Ray: join a cluster, or start the embedded local one (optionally as several
+simulated nodes), and read the accelerator topology the cluster actually has.
+
+Simulated nodes are real raylets from `ray.cluster_utils.Cluster`, each declaring the
+accelerator resource, so placement groups, node ids and node failures behave as on a cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from raytrain_dt.config.schema import ClusterConfig
+
+log = logging.getLogger(__name__)
+
+# The resource that stands for an accelerator on the embedded CPU instance.
+SIMULATED_ACCELERATOR = "accelerator"
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    node_id: str
+    accelerators: int
+
+
+@dataclass
+class ClusterHandle:
+    mode: str  # "embedded", "simulated", "joined" or "existing"
+    accelerator_resource: str
+    simulated: object | None = None  # ray.cluster_utils.Cluster when mode == "simulated"
+
+
+def _embedded_cpus(cluster: ClusterConfig) -> int:
+    # Actors take a fraction of a CPU each; Ray Data tasks need whole logical CPUs to schedule.
+    return max(4, os.cpu_count() or 1, int(cluster.accelerators_per_node * cluster.cpus_per_rank) + 2)
+
+
+def _node_resources(cluster: ClusterConfig, resource: str) -> dict:
+    return {"num_cpus": _embedded_cpus(cluster), "resources": {resource: cluster.accelerators_per_node}}
+
+
+@contextmanager
+def connect(cluster: ClusterConfig, temp_dir: str | None = None) -> Iterator[ClusterHandle]:
+    """Yield a connected cluster; tear down only what this call started."""
+    import ray
+
+    address = cluster.address or os.environ.get("RAY_ADDRESS")
+    if ray.is_initialized():
+        yield ClusterHandle("existing", resolve_accelerator_resource(cluster))
+        return
+    if address:
+        ray.init(address=address, log_to_driver=False)
+        try:
+            yield ClusterHandle("joined", resolve_accelerator_resource(cluster))
+        finally:
+            ray.shutdown()
+        return
+    resource = cluster.accelerator_resource or SIMULATED_ACCELERATOR
+    if cluster.local_nodes == 1:
+        log.info("starting an embedded Ray instance (%d x %s)", cluster.accelerators_per_node, resource)
+        res = _node_resources(cluster, resource)
+        ray.init(num_cpus=res["num_cpus"], resources=res["resources"], include_dashboard=False,
+                 log_to_driver=False, _temp_dir=temp_dir, configure_logging=False)
+        try:
+            yield ClusterHandle("embedded", resource)
+        finally:
+            ray.shutdown()
+        return
+    simulated = start_simulated_cluster(cluster, resource, temp_dir)
+    ray.init(address=simulated.address, log_to_driver=False)
+    try:
+        yield ClusterHandle("simulated", resource, simulated)
+    finally:
+        ray.shutdown()
+        simulated.shutdown()
+
+
+def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str | None = None):
+    """`cluster.local_nodes` raylets on this machine, each with its own accelerators."""
+    from ray.cluster_utils import Cluster
+
+    log.info("starting a simulated cluster: %d nodes x %d %s", cluster.local_nodes,
+             cluster.accelerators_per_node, resource)
+    head_args = {**_node_resources(cluster, resource), "include_dashboard": False}
+    if temp_dir:
+        head_args["_temp_dir"] = temp_dir
+    sim = Cluster(initialize_head=True, head_node_args=head_args)
+    for _ in range(cluster.local_nodes - 1):
+        sim.add_node(**_node_resources(cluster, resource))
+    sim.wait_for_nodes()
+    return sim
+
+
+def resolve_accelerator_resource(cluster: ClusterConfig) -> str:
+    """The configured resource; else GPU if the cluster has GPUs; else the simulated one if
+    declared; else CPU (one rank per CPU)."""
+    import ray
+
+    if cluster.accelerator_resource:
+        return cluster.accelerator_resource
+    total = ray.cluster_resources()
+    for candidate in ("GPU", SIMULATED_ACCELERATOR):
+        if total.get(candidate, 0) >= 1:
+            return candidate
+    return "CPU"
+
+
+def alive_nodes(resource: str) -> list[NodeInfo]:
+    """Alive nodes holding the accelerator resource, sorted by node id (deterministic)."""
+    import ray
+
+    nodes = []
+    for node in ray.nodes():
+        count = int(node.get("Resources", {}).get(resource, 0)) if node.get("Alive") else 0
+        if count > 0:
+            nodes.append(NodeInfo(node["NodeID"], count))
+    return sorted(nodes, key=lambda n: n.node_id)

@@ -1,0 +1,42 @@
+"""Placement that mirrors nodes: how many ranks go on which node, and which actor is which rank.
+
+Pure functions, no Ray. The placement group holds one bundle per node with all that node's
+ranks (STRICT_SPREAD), so a node's accelerators are reserved together. Ranks are then assigned
+from the node ids the actors report, never from bundle order, which Ray does not promise.
+"""
+
+from __future__ import annotations
+
+from raytrain_dt.topology.parallel_dims import ParallelDims
+
+
+def ranks_per_node(world_size: int, node_capacities: list[int], tp: int) -> list[int]:
+    """Fill whole nodes first (largest first, ties by order); every count is a multiple of tp."""
+    order = sorted(range(len(node_capacities)), key=lambda i: (-node_capacities[i], i))
+    remaining = world_size
+    counts = []
+    for i in order:
+        if remaining == 0:
+            break
+        take = min(node_capacities[i] - node_capacities[i] % tp, remaining)
+        if take > 0:
+            counts.append(take)
+            remaining -= take
+    if remaining:
+        raise ValueError(
+            f"cannot place {world_size} ranks with tp={tp} on nodes with capacities {node_capacities}"
+        )
+    return counts
+
+
+def assign_ranks(reports: list[dict]) -> list[int]:
+    """actor position -> rank: grouped by reported node id (sorted), then by actor index."""
+    order = sorted(range(len(reports)), key=lambda i: (reports[i]["node_id"], reports[i]["actor_index"]))
+    ranks = [0] * len(reports)
+    for rank, position in enumerate(order):
+        ranks[position] = rank
+    return ranks
+
+
+def tp_groups_on_one_node(dims: ParallelDims, node_of_rank: list[str]) -> bool:
+    return all(len({node_of_rank[r] for r in group}) == 1 for group in dims.groups("tp"))

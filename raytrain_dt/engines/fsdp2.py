@@ -1,0 +1,125 @@
+"""FSDP2 engine: `fully_shard` per block and at the root, AdamW, clipping, DCP state.
+
+zero_stage maps to FSDP2 as: 0 -> replicate only (DDP semantics through HSDP with shard size
+1), 1 and 2 -> grad-op sharding (`reshard_after_forward=False`), 3 -> full sharding. Gradient
+sync is switched off on non-final micro-steps, and each micro-step's loss is divided by the
+accumulation count, so the reduced gradient is the gradient of the global-batch mean.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.engines.base import StepResult
+from raytrain_dt.engines.optim import build_adamw, set_lr
+from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.worker.device import DeviceSpec
+
+
+def apply_activation_checkpointing(model: nn.Module) -> None:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    for name, block in list(model.layers.named_children()):
+        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+
+
+class FSDP2Engine:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: DeviceSpec,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.mesh = mesh
+        self.device = device
+        if layout.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
+        shard_kwargs: dict = {"mesh": dp_mesh}
+        if device.mixed_precision:
+            shard_kwargs["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=device.param_dtype, reduce_dtype=device.reduce_dtype
+            )
+        if layout.offload_optimizer:
+            shard_kwargs["offload_policy"] = CPUOffloadPolicy()
+        reshard = layout.zero_stage == 3
+        for block in model.layers.values():
+            fully_shard(block, reshard_after_forward=reshard, **shard_kwargs)
+        # The root holds embeddings, final norm and head; they are used last in backward, so
+        # resharding them after forward would only add an all-gather.
+        fully_shard(model, reshard_after_forward=False, **shard_kwargs)
+        if device.device_type == "cuda" and not layout.offload_optimizer:
+            model.to(device.device(torch.cuda.current_device()))
+        self.model = model
+        self.optimizer = build_adamw(model, cfg.trainer)
+        self._dp_group = mesh["dp"].get_group()
+
+    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
+        if self.device.device_type == "cuda":
+            return tokens.to(self.device.device(torch.cuda.current_device()), non_blocking=True)
+        return tokens
+
+    def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult:
+        t = self.cfg.trainer
+        lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                   min_lr_ratio=t.min_lr_ratio)
+        set_lr(self.optimizer, lr)
+        accum = len(micro_batches)
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for i, tokens in enumerate(micro_batches):
+            self.model.set_requires_gradient_sync(i == accum - 1)
+            tokens = self._to_device(tokens)
+            loss = next_token_loss(self.model(tokens), tokens)
+            (loss / accum).backward()
+            loss_sum += loss.detach().double().cpu()
+        grad_norm = clip_gradients(self.model.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        # Every micro-batch has the same number of tokens, so the global-batch mean is the
+        # mean of the per-rank means over DP.
+        global_loss = loss_sum / accum
+        dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
+        return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
+
+    # --- checkpoint state ----------------------------------------------------------------------
+    def save(self, checkpoint_dir: str) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=checkpoint_dir)
+
+    def load(self, checkpoint_dir: str) -> None:
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        dcp.load(state, checkpoint_id=checkpoint_dir)
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {
+            name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().cpu()
+            for name, value in self.model.state_dict().items()
+        }
+
+
+def clip_gradients(parameters, max_norm: float) -> float:
+    """Total gradient norm over all shards; clips in place when max_norm > 0."""
+    grads = [p.grad for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    if isinstance(total, DTensor):
+        total = total.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+    return float(total)

@@ -1,0 +1,39 @@
+"""Optimizer construction shared by every engine: AdamW with decay on matrices only.
+
+Norm weights (1-D) are not decayed. Keeping this in one place is what lets an FSDP2 run, a
+DeepSpeed run and a single-process reference take identical steps.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from raytrain_dt.config.schema import TrainerConfig
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    return [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+
+
+def build_adamw(model: nn.Module, trainer: TrainerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        param_groups(model, trainer.weight_decay),
+        lr=trainer.lr,
+        betas=(trainer.beta1, trainer.beta2),
+        eps=trainer.eps,
+        # foreach is the fast path on both CPU and CUDA and works with DTensor shards.
+        foreach=True,
+    )
+
+
+def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    for group in optimizer.param_groups:
+        group["lr"] = lr

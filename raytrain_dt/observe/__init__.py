@@ -1,0 +1,1 @@
+"""Observability: run records (metrics, ledger, events), logging and progress."""

@@ -1,0 +1,156 @@
+"""Step-time model: compute at a fixed MFU plus alpha-beta communication and pipeline bubble.
+
+Arithmetic only, so the planner can rank thousands of layouts. Communication is deliberately
+*not* overlapped with compute: the model ranks layouts by the time they cannot hide for sure,
+and absolute totals are upper bounds. Collectives use the ring alpha-beta model
+(time = steps * latency + volume / bandwidth), the same for every layout, so that the
+comparison between layouts is fair even where the constants are rough.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.topology.layout import Layout, Topology
+from raytrain_dt.topology.memory import STATE_BYTES, stage_params
+
+# Host link and CPU Adam rate for optimizer offload (PCIe Gen4 x16, DeepSpeed CPU Adam per rank).
+PCIE_BANDWIDTH = 25e9
+CPU_ADAM_PARAMS_PER_S = 1e9
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per optimizer step on the slowest rank, by cause."""
+
+    compute_s: float
+    dp_comm_s: float
+    tp_comm_s: float
+    pp_comm_s: float
+    bubble_s: float
+    total_s: float
+    offload_s: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            k: getattr(self, k)
+            for k in ("compute_s", "dp_comm_s", "tp_comm_s", "pp_comm_s", "bubble_s",
+                      "offload_s", "total_s")
+        }
+
+
+def all_reduce_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring all-reduce: 2(n-1)/n of the buffer crosses each link, in 2(n-1) steps."""
+    if n <= 1:
+        return 0.0
+    return 2.0 * (n - 1) / n * nbytes / bandwidth + 2.0 * (n - 1) * latency
+
+
+def reduce_scatter_s(nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Ring reduce-scatter of an `nbytes` buffer (each rank ends with nbytes/n)."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+# An all-gather producing an `nbytes` buffer moves exactly what a reduce-scatter moves.
+all_gather_s = reduce_scatter_s
+
+
+def _link(topology: Topology, span: int) -> tuple[float, float]:
+    """(bandwidth, latency) for a group whose ranks fill `span` consecutive ranks.
+
+    Ranks are ordered by node, so a group stays on NVLink iff its span fits in one node.
+    """
+    if span <= topology.accelerators_per_node and topology.accelerators_per_node % span == 0:
+        return topology.intra_node_bandwidth, topology.intra_node_latency
+    return topology.inter_node_bandwidth, topology.inter_node_latency
+
+
+def dp_comm_s(shape: ModelShape, layout: Layout, topology: Topology, precision: str) -> float:
+    """Gradient sync (and ZeRO-3 parameter gathers) per optimizer step.
+
+    zero 0: one all-reduce per step (gradients accumulate locally). zero 1: reduce-scatter +
+    all-gather of the updated params once per step - the same volume. zero 2: gradients are
+    sharded, so every micro-step reduce-scatters, plus the param all-gather per step. zero 3:
+    every micro-step all-gathers params for forward and again for backward and reduce-scatters
+    gradients. With HSDP the sharded ops stay in the dp_shard group and the shards' gradients
+    are all-reduced across dp_replicate after every reduce-scatter.
+    """
+    d = layout.dims
+    if d.dp == 1:
+        return 0.0
+    p_bytes, g_bytes, _ = STATE_BYTES[precision]
+    local = stage_params(shape, d.pp) / d.tp
+    grads, params = local * g_bytes, local * p_bytes
+    m, z = layout.grad_accum, layout.zero_stage
+    if z == 0:
+        return all_reduce_s(grads, d.dp, *_link(topology, d.tp * d.dp))
+    shard_link = _link(topology, d.tp * d.dp_shard)
+    rep_link = _link(topology, d.tp * d.dp)
+    syncs = 1 if z == 1 else m  # how often gradients are reduce-scattered
+    rs = reduce_scatter_s(grads, d.dp_shard, *shard_link)
+    ag = all_gather_s(params, d.dp_shard, *shard_link)
+    replica = all_reduce_s(grads / d.dp_shard, d.dp_replicate, *rep_link)
+    if z == 3:
+        return m * (2 * ag + rs + replica)
+    return syncs * (rs + replica) + ag
+
+
+def estimate_step_time(
+    shape: ModelShape,
+    layout: Layout,
+    topology: Topology,
+    *,
+    seq_len: int,
+    precision: str = "bf16",
+    mfu: float = 0.45,
+) -> StepTime:
+    """Estimated seconds per optimizer step for `layout` on `topology`."""
+    if not 0.0 < mfu <= 1.0:
+        raise ValueError(f"mfu must be in (0, 1], got {mfu}")
+    d = layout.dims
+    act_bytes = STATE_BYTES[precision][0]
+    m = layout.grad_accum
+    tokens_per_rank = layout.micro_batch * m * seq_len  # per data-parallel replica
+    flops = shape.flops_per_token(seq_len) * tokens_per_rank / (d.tp * d.pp)
+    # Full checkpointing re-runs the forward: 1 + 2 passes become 2 + 2.
+    recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
+    compute = flops * recompute / (topology.peak_flops * mfu)
+
+    layers = shape.n_layers // d.pp
+    tp = 0.0
+    if d.tp > 1:
+        # Megatron: 2 all-reduces forward + 2 backward per layer (SP swaps each for a
+        # reduce-scatter/all-gather pair of equal volume); recompute repeats the forward two.
+        msg = float(seq_len) * layout.micro_batch * shape.dim * act_bytes
+        per_layer = (6 if layout.activation_checkpointing else 4) * all_reduce_s(
+            msg, d.tp, topology.intra_node_bandwidth, topology.intra_node_latency
+        )
+        tp = per_layer * layers * m
+
+    pp = bubble = 0.0
+    if d.pp > 1:
+        # One activation forward and one gradient backward per micro-batch at each boundary,
+        # split over the TP ranks (scatter-gather); interleaving crosses v times as many.
+        msg = float(seq_len) * layout.micro_batch * shape.dim * act_bytes / d.tp
+        # The slowest boundary sets the pace: NVLink only if the whole pipeline is on one node.
+        bw, lat = _link(topology, d.world_size)
+        v = layout.virtual_stages
+        pp = 2 * m * v * (lat + msg / bw)
+        # Bubble fraction (p-1)/(m+p-1) of the pipelined time, i.e. (p-1)/m of the busy time;
+        # interleaved schedules shrink it by the number of virtual stages.
+        bubble = (compute + tp) * (d.pp - 1) / (v * m)
+
+    dp = dp_comm_s(shape, layout, topology, precision)
+
+    offload = 0.0
+    if layout.offload_optimizer:
+        # Each step ships the gradient shard to the host, runs CPU Adam, ships params back.
+        shard = stage_params(shape, d.pp) / d.tp / (d.dp_shard if layout.zero_stage >= 1 else 1)
+        p_bytes, g_bytes, _ = STATE_BYTES[precision]
+        offload = shard * (p_bytes + g_bytes) / PCIE_BANDWIDTH + shard / CPU_ADAM_PARAMS_PER_S
+
+    total = compute + dp + tp + pp + bubble + offload
+    return StepTime(compute, dp, tp, pp, bubble, total, offload)

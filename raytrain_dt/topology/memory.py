@@ -1,0 +1,213 @@
+"""Per-rank accelerator memory model, in bytes: model states, activations and a safety margin.
+
+Pure arithmetic on a `ModelShape` and a `Layout` (no torch), so the planner can price thousands
+of layouts in milliseconds. Model states follow the ZeRO paper (Rajbhandari et al. 2020);
+activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"). Also home of `shape_for_params`, which invents a Llama-like shape for a
+bare parameter count so the planner can be asked about models that have no preset.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.topology.layout import Layout
+
+GB = 1e9
+
+# (param, grad, optimizer) bytes per parameter. Mixed precision keeps bf16 params and grads
+# and an fp32 master copy plus Adam m and v (4+4+4); fp32 training needs no master copy.
+STATE_BYTES: dict[str, tuple[int, int, int]] = {"bf16": (2, 2, 12), "fp32": (4, 4, 8)}
+# Korthikanti's constants count 2-byte activations; fp32 runs store every one of them at 4.
+ACTIVATION_SCALE: dict[str, float] = {"bf16": 1.0, "fp32": 2.0}
+LOGIT_BYTES = 4  # the loss upcasts logits to fp32 whatever the compute precision
+
+
+def _check_precision(precision: str) -> None:
+    if precision not in STATE_BYTES:
+        raise ValueError(f"precision must be one of {', '.join(STATE_BYTES)}, got {precision!r}")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Peak bytes on one accelerator (the heaviest pipeline stage), by category."""
+
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    margin: float
+    total: float
+
+    def as_gb(self) -> dict[str, float]:
+        return {
+            k: getattr(self, k) / GB
+            for k in ("params", "grads", "optimizer", "activations", "margin", "total")
+        }
+
+
+def stage_params(shape: ModelShape, pp: int = 1) -> float:
+    """Parameters held by the largest pipeline stage (before TP or ZeRO division).
+
+    With pp > 1 the first stage carries the embedding and the last the final norm and the LM
+    head (a tied head is a second copy there), so the heaviest stage is the last one.
+    """
+    if pp == 1:
+        return float(shape.num_params)
+    layers = shape.n_layers // pp
+    return float(layers * shape.params_per_layer + shape.vocab_size * shape.dim + shape.dim)
+
+
+def model_state_bytes(
+    shape: ModelShape,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    shard: int = 1,
+    zero_stage: int = 0,
+    precision: str = "bf16",
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+) -> tuple[float, float, float]:
+    """(params, grads, optimizer) bytes per rank; `shard` is the ZeRO/FSDP sharding degree.
+
+    These are the sharded states only (the ZeRO paper's numbers); the transient unsharded
+    buffers that ZeRO-2/3 need while computing are added by `estimate_memory`.
+    """
+    _check_precision(precision)
+    if zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
+    p_bytes, g_bytes, o_bytes = STATE_BYTES[precision]
+    local = stage_params(shape, pp) / tp
+    params = local * p_bytes / (shard if zero_stage >= 3 else 1)
+    grads = local * g_bytes / (shard if zero_stage >= 2 else 1)
+    optimizer = local * o_bytes / (shard if zero_stage >= 1 else 1)
+    # Offloaded states live in host memory; the accelerator only streams them.
+    return (0.0 if offload_params else params), grads, (0.0 if offload_optimizer else optimizer)
+
+
+def korthikanti_layer_bytes(
+    seq_len: int,
+    micro_batch: int,
+    dim: int,
+    n_heads: int,
+    *,
+    tp: int = 1,
+    sequence_parallel: bool = False,
+    fused_attention: bool = True,
+) -> float:
+    """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022).
+
+    No parallelism: sbh(34 + 5as/h). TP with SP: sbh(34 + 5as/h)/t. TP without SP leaves the
+    layer norms' and dropouts' 10sbh replicated: sbh(10 + 24/t + 5as/(ht)). A fused attention
+    kernel (SDPA/flash) never materialises the a*s*s score matrix, so its 5as/h term goes.
+    """
+    sbh = float(seq_len) * micro_batch * dim
+    attention = 0.0 if fused_attention else 5.0 * n_heads * seq_len / dim
+    if tp == 1 or sequence_parallel:
+        return sbh * (34.0 + attention) / tp
+    return sbh * (10.0 + 24.0 / tp + attention / tp)
+
+
+def activation_bytes(
+    shape: ModelShape,
+    *,
+    seq_len: int,
+    micro_batch: int,
+    tp: int = 1,
+    pp: int = 1,
+    grad_accum: int = 1,
+    sequence_parallel: bool = False,
+    activation_checkpointing: bool = False,
+    fused_attention: bool = True,
+    precision: str = "bf16",
+) -> float:
+    """Peak activation bytes on the heaviest pipeline stage under 1F1B."""
+    _check_precision(precision)
+    layer = korthikanti_layer_bytes(
+        seq_len, micro_batch, shape.dim, shape.n_heads,
+        tp=tp, sequence_parallel=sequence_parallel, fused_attention=fused_attention,
+    ) * ACTIVATION_SCALE[precision]
+    layers = shape.n_layers // pp
+    if activation_checkpointing:
+        # Only each layer's input survives the forward (sharded over TP under SP); backward
+        # recomputes one layer at a time, so one full layer's working set is added once.
+        kept = 2.0 * seq_len * micro_batch * shape.dim * ACTIVATION_SCALE[precision]
+        stored, working = layers * (kept / tp if sequence_parallel else kept), layer
+    else:
+        stored, working = layers * layer, 0.0
+    logits = float(seq_len) * micro_batch * shape.vocab_size / tp * LOGIT_BYTES
+    # 1F1B: the first stage has up to pp micro-batches in flight before its first backward;
+    # the last stage holds one micro-batch but also the logits. With pp == 1 both are one stage.
+    in_flight = min(pp, grad_accum) if pp > 1 else 1
+    first = in_flight * stored + working + (logits if pp == 1 else 0.0)
+    last = stored + working + logits
+    return max(first, last)
+
+
+def estimate_memory(
+    shape: ModelShape,
+    layout: Layout,
+    *,
+    seq_len: int,
+    precision: str = "bf16",
+    margin: float = 0.10,
+    fused_attention: bool = True,
+    offload_params: bool = False,
+) -> MemoryEstimate:
+    """Peak per-rank bytes for `layout`. `margin` is a fraction of the *total* (fragmentation,
+    NCCL and cuBLAS workspaces): total = (states + activations) / (1 - margin)."""
+    if not 0.0 <= margin < 1.0:
+        raise ValueError(f"margin must be in [0, 1), got {margin}")
+    d = layout.dims
+    params, grads, optimizer = model_state_bytes(
+        shape, tp=d.tp, pp=d.pp, shard=d.dp_shard, zero_stage=layout.zero_stage,
+        precision=precision, offload_optimizer=layout.offload_optimizer,
+        offload_params=offload_params,
+    )
+    p_bytes, g_bytes, _ = STATE_BYTES[precision]
+    layer_params = shape.params_per_layer / d.tp
+    if layout.zero_stage >= 3 and d.dp_shard > 1:
+        # FSDP all-gathers the running layer and prefetches the next one.
+        params += 2 * layer_params * p_bytes
+    if layout.zero_stage >= 2 and d.dp_shard > 1:
+        # A layer's full gradient exists until its reduce-scatter completes.
+        grads += layer_params * g_bytes
+    activations = activation_bytes(
+        shape, seq_len=seq_len, micro_batch=layout.micro_batch, tp=d.tp, pp=d.pp,
+        grad_accum=layout.grad_accum, sequence_parallel=layout.sequence_parallel,
+        activation_checkpointing=layout.activation_checkpointing,
+        fused_attention=fused_attention, precision=precision,
+    )
+    used = params + grads + optimizer + activations
+    total = used / (1.0 - margin)
+    return MemoryEstimate(params, grads, optimizer, activations, total - used, total)
+
+
+def shape_for_params(n: float, vocab_size: int = 32000) -> ModelShape:
+    """A Llama-like shape with about `n` parameters (within one layer's worth).
+
+    Llama 1-3 keep depth near dim/128 (7B: 4096/32, 13B: 5120/40, 70B: 8192/80), head_dim 128
+    and ffn ~ 8/3 dim; we scan dims, fit the layer count to `n`, and keep the
+    dim whose depth is closest to that aspect ratio. GQA with 8 KV heads from 64 heads up.
+    """
+    if n <= 0:
+        raise ValueError(f"parameter count must be positive, got {n}")
+    best: tuple[float, int, ModelShape] | None = None
+    # Above 4096 step by 1024 so head counts stay multiples of 8 (TP up to 8 divides them).
+    for dim in [*range(256, 4096, 256), *range(4096, 32768 + 1, 1024)]:
+        head_dim = 128 if dim >= 1024 else 64
+        n_heads = dim // head_dim
+        n_kv_heads = 8 if n_heads >= 64 else n_heads
+        ffn = max(256, round(8 * dim / 3 / 256) * 256)
+        probe = ModelShape(dim, 1, n_heads, n_kv_heads, vocab_size, ffn)
+        fixed = probe.num_params - probe.params_per_layer
+        layers = max(1, round((n - fixed) / probe.params_per_layer))
+        # Ratio distance on a log scale, so too deep and too shallow weigh alike.
+        score = abs(math.log(layers * 128.0 / dim))
+        if best is None or score < best[0]:
+            best = (score, dim, ModelShape(dim, layers, n_heads, n_kv_heads, vocab_size, ffn))
+    assert best is not None
+    return best[2]

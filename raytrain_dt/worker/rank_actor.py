@@ -1,0 +1,200 @@
+"""The rank actor: one per accelerator. Sets up a process group, an engine and its data for a
+given `RankSpec`, trains in a thread, and answers health polls while it does.
+
+Ray is used only at this boundary (the class is made remote by the coordinator); the train
+step itself (`worker.train_loop`) makes no Ray calls. `teardown` destroys the process group and
+frees the model so the same actor can join the next layout without re-importing torch.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+import traceback
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from raytrain_dt.checkpoint.layout import checkpoint_dir, write_train_state
+from raytrain_dt.data.pipeline import iterate_micro_batches
+from raytrain_dt.engines.fsdp2 import FSDP2Engine
+from raytrain_dt.models.llama import build_model
+from raytrain_dt.worker.device import select_device
+from raytrain_dt.worker.spec import RankSpec
+from raytrain_dt.worker.train_loop import LoopSpec, run_loop
+
+log = logging.getLogger("raytrain_dt.rank")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        return sock.getsockname()[1]
+
+
+class RankWorker:
+    def __init__(self, run_dir: str, actor_index: int):
+        self.run_dir = Path(run_dir)
+        self.actor_index = actor_index
+        self.spec: RankSpec | None = None
+        self.engine = None
+        self._reports: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._error: str | None = None
+        self._done = False
+        logs = self.run_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(logs / f"actor_{actor_index}.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        root = logging.getLogger("raytrain_dt")
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+    # --- discovery ---------------------------------------------------------------------------
+    def where(self) -> dict:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        return {
+            "actor_index": self.actor_index,
+            "node_id": ctx.get_node_id(),
+            "ip": ray.util.get_node_ip_address(),
+            "pid": os.getpid(),
+            "port": free_port(),
+        }
+
+    # --- lifecycle ---------------------------------------------------------------------------
+    def setup(self, spec: RankSpec) -> dict:
+        """Join the process group, build the engine, load state, open the data (collective)."""
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
+        self.spec = spec
+        self._stop.clear()
+        self._error, self._done = None, False
+        self._reports = queue.Queue()
+        device = select_device(spec.cfg.engine.precision)
+        if device.device_type == "cuda":
+            gpu_ids = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if i]
+            torch.cuda.set_device(0 if len(gpu_ids) <= 1 else spec.rank % len(gpu_ids))
+        os.environ.update(
+            MASTER_ADDR=spec.master_addr,
+            MASTER_PORT=str(spec.master_port),
+            RANK=str(spec.rank),
+            WORLD_SIZE=str(spec.world_size),
+        )
+        dist.init_process_group(
+            backend=device.backend,
+            rank=spec.rank,
+            world_size=spec.world_size,
+            timeout=datetime.timedelta(seconds=300),
+        )
+        mesh = spec.layout.dims.build_mesh(device.device_type)
+        timings["process_group_s"] = time.perf_counter() - t0
+
+        t1 = time.perf_counter()
+        model = build_model(spec.shape, spec.cfg.data.seq_len, spec.cfg.run.seed)
+        self.engine = FSDP2Engine(model, spec.cfg, spec.layout, mesh, device)
+        if spec.resume_from:
+            self.engine.load(spec.resume_from)
+            rng_file = Path(spec.resume_from) / "rng" / f"rank_{spec.rank}.pt"
+            if rng_file.is_file():
+                torch.set_rng_state(torch.load(rng_file, weights_only=True))
+        timings["model_build_s"] = time.perf_counter() - t1
+
+        t2 = time.perf_counter()
+        self._batches = iterate_micro_batches(spec.data, spec.cfg.data.prefetch_batches)
+        timings["data_start_s"] = time.perf_counter() - t2
+        log.info("rank %d/%d ready: %s (%s)", spec.rank, spec.world_size,
+                 spec.layout.describe(), json.dumps(timings))
+        return timings
+
+    def start(self) -> None:
+        spec = self.spec
+        assert spec is not None, "setup() must run before start()"
+        coords = spec.layout.dims.coords(spec.rank)
+        loop = LoopSpec(
+            start_step=spec.start_step,
+            end_step=spec.end_step,
+            consumed_samples=spec.data.consumed_samples,
+            global_batch=spec.layout.global_batch,
+            grad_accum=spec.layout.grad_accum,
+            seq_len=spec.cfg.data.seq_len,
+            checkpoint_every=spec.cfg.checkpoint.every_steps,
+            report_metrics=spec.rank == 0,
+            report_sample_ids=coords.tp == 0 and coords.pp == 0 and coords.cp == 0,
+        )
+        self._thread = threading.Thread(target=self._run, args=(loop,), name="train", daemon=True)
+        self._thread.start()
+
+    def _run(self, loop: LoopSpec) -> None:
+        try:
+            run_loop(self.engine, self._batches, loop, self._reports.put, self._save, self._stop)
+            self._done = True
+        except BaseException:
+            self._error = traceback.format_exc()
+            log.error("rank %s failed:\n%s", self.spec.rank if self.spec else "?", self._error)
+
+    def _save(self, step: int, consumed: int) -> None:
+        spec = self.spec
+        path = checkpoint_dir(spec.checkpoint_root, step)
+        started = time.perf_counter()
+        (path / "rng").mkdir(parents=True, exist_ok=True)
+        torch.save(torch.get_rng_state(), path / "rng" / f"rank_{spec.rank}.pt")
+        self.engine.save(str(path))
+        if spec.rank == 0:
+            # dcp.save returns on rank 0 only after every rank's shards and the metadata are
+            # written, so this record marks a complete checkpoint.
+            write_train_state(path, {
+                "step": step,
+                "consumed_samples": consumed,
+                "global_batch": spec.layout.global_batch,
+                "layout": spec.layout.as_dict(),
+                "engine": spec.cfg.engine.name,
+                "model_shape": spec.shape.__dict__,
+                "torch_version": torch.__version__,
+                "saved_at": time.time(),
+            })
+        self._reports.put({"kind": "checkpoint", "step": step, "path": str(path),
+                           "stall_s": time.perf_counter() - started})
+
+    def poll(self) -> dict:
+        reports = []
+        while True:
+            try:
+                reports.append(self._reports.get_nowait())
+            except queue.Empty:
+                break
+        if self._error:
+            state = "failed"
+        elif self._done:
+            state = "done"
+        else:
+            state = "running"
+        return {"rank": self.spec.rank if self.spec else None, "state": state,
+                "reports": reports, "error": self._error}
+
+    def full_state_dict(self) -> dict:
+        """Gathered parameters (collective; every rank must be asked). For tests and export."""
+        return self.engine.full_state_dict()
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def teardown(self) -> None:
+        self.stop()
+        self.engine = None
+        self._batches = None
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        gc.collect()

@@ -1,0 +1,67 @@
+"""The train loop: pull micro-batches, take an optimizer step, report, checkpoint on schedule.
+
+Runs in a thread inside a rank actor and knows nothing of Ray or of which engine it drives.
+Reports go to a callback (the actor's queue); a stop event ends it at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from raytrain_dt.engines.base import Engine
+
+
+@dataclass(frozen=True)
+class LoopSpec:
+    start_step: int
+    end_step: int  # exclusive
+    consumed_samples: int
+    global_batch: int
+    grad_accum: int
+    seq_len: int
+    checkpoint_every: int
+    # Which reports this rank sends: rank 0 sends metrics; one rank per DP group sends ids.
+    report_metrics: bool
+    report_sample_ids: bool
+
+
+def run_loop(
+    engine: Engine,
+    batches: Iterator[dict],
+    spec: LoopSpec,
+    report: Callable[[dict], None],
+    save_checkpoint: Callable[[int, int], None],
+    stop: threading.Event,
+) -> None:
+    consumed = spec.consumed_samples
+    tokens_per_step = spec.global_batch * spec.seq_len
+    for step in range(spec.start_step, spec.end_step):
+        if stop.is_set():
+            return
+        started = time.perf_counter()
+        micro = [next(batches) for _ in range(spec.grad_accum)]
+        data_wait = time.perf_counter() - started
+        result = engine.train_step([m["tokens"] for m in micro], step)
+        step_time = time.perf_counter() - started
+        consumed += spec.global_batch
+        record: dict = {"kind": "step", "step": step + 1, "consumed_samples": consumed}
+        if spec.report_metrics:
+            record.update(
+                loss=result.loss,
+                lr=result.lr,
+                grad_norm=result.grad_norm,
+                step_time_s=step_time,
+                data_wait_s=data_wait,
+                tokens_per_s=tokens_per_step / step_time,
+            )
+        if spec.report_sample_ids:
+            record["sample_ids"] = [int(i) for m in micro for i in m["sample_id"]]
+        report(record)
+        completed = step + 1
+        if spec.checkpoint_every and (
+            completed % spec.checkpoint_every == 0 or completed == spec.end_step
+        ):
+            save_checkpoint(completed, consumed)
