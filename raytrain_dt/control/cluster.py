@@ -87,7 +87,7 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
              cluster.accelerators_per_node, resource)
     head_args = {**_node_resources(cluster, resource), "include_dashboard": False}
     if temp_dir:
-        head_args["_temp_dir"] = temp_dir
+        head_args["temp_dir"] = temp_dir
     sim = Cluster(initialize_head=True, head_node_args=head_args)
     for _ in range(cluster.local_nodes - 1):
         sim.add_node(**_node_resources(cluster, resource))

@@ -116,10 +116,11 @@ class FSDP2Engine:
 
 def clip_gradients(parameters, max_norm: float) -> float:
     """Total gradient norm over all shards; clips in place when max_norm > 0."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+    with_grads = [p for p in parameters if p.grad is not None]
+    total = torch.nn.utils.get_total_norm([p.grad for p in with_grads], norm_type=2.0, foreach=True)
     if isinstance(total, DTensor):
         total = total.full_tensor()
     if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total, foreach=True)
+        # Takes parameters (it scales p.grad), with the norm over every shard.
+        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=True)
     return float(total)

@@ -1,10 +1,15 @@
 """Step-time model: compute at a fixed MFU plus alpha-beta communication and pipeline bubble.
 
-Arithmetic only, so the planner can rank thousands of layouts. Communication is deliberately
-*not* overlapped with compute: the model ranks layouts by the time they cannot hide for sure,
-and absolute totals are upper bounds. Collectives use the ring alpha-beta model
-(time = steps * latency + volume / bandwidth), the same for every layout, so that the
-comparison between layouts is fair even where the constants are rough.
+Arithmetic only, so the planner can rank thousands of layouts. Collectives use the ring
+alpha-beta model (time = steps * latency + volume / bandwidth), the same for every layout, so
+the comparison between layouts is fair even where the constants are rough. TP and PP traffic
+sits on the critical path and counts in full; data-parallel traffic overlaps the compute it
+runs beside (DDP buckets behind the last backward, ZeRO-2 reduce-scatters behind every
+backward, FSDP prefetches behind forward and backward), and only what does not fit in that
+window is exposed. Overlap is not free: collectives running beside GEMMs take SMs and HBM
+bandwidth from them, so every hidden second still costs OVERLAP_TAX of a second. That is what
+makes more data-parallel volume slower even when all of it hides (ZeRO-3 behind ZeRO-2 behind
+plain DP). `dp_comm_s` is what DP traffic adds to the step; `dp_hidden_s` what was overlapped.
 """
 
 from __future__ import annotations
@@ -18,6 +23,8 @@ from raytrain_dt.topology.memory import STATE_BYTES, stage_params
 # Host link and CPU Adam rate for optimizer offload (PCIe Gen4 x16, DeepSpeed CPU Adam per rank).
 PCIE_BANDWIDTH = 25e9
 CPU_ADAM_PARAMS_PER_S = 1e9
+# Slowdown of compute per second of communication overlapped with it (SM and HBM contention).
+OVERLAP_TAX = 0.1
 
 
 @dataclass(frozen=True)
@@ -31,12 +38,21 @@ class StepTime:
     bubble_s: float
     total_s: float
     offload_s: float = 0.0
+    dp_hidden_s: float = 0.0  # DP traffic overlapped with compute: not part of total_s
 
     def as_dict(self) -> dict[str, float]:
         return {
             k: getattr(self, k)
-            for k in ("compute_s", "dp_comm_s", "tp_comm_s", "pp_comm_s", "bubble_s",
-                      "offload_s", "total_s")
+            for k in (
+                "compute_s",
+                "dp_comm_s",
+                "tp_comm_s",
+                "pp_comm_s",
+                "bubble_s",
+                "offload_s",
+                "dp_hidden_s",
+                "total_s",
+            )
         }
 
 
@@ -68,34 +84,41 @@ def _link(topology: Topology, span: int) -> tuple[float, float]:
     return topology.inter_node_bandwidth, topology.inter_node_latency
 
 
-def dp_comm_s(shape: ModelShape, layout: Layout, topology: Topology, precision: str) -> float:
-    """Gradient sync (and ZeRO-3 parameter gathers) per optimizer step.
+def dp_comm_s(
+    shape: ModelShape, layout: Layout, topology: Topology, precision: str
+) -> tuple[float, float]:
+    """(seconds of gradient sync and ZeRO-3 gathers per step, fraction of compute they can hide
+    behind).
 
-    zero 0: one all-reduce per step (gradients accumulate locally). zero 1: reduce-scatter +
-    all-gather of the updated params once per step - the same volume. zero 2: gradients are
-    sharded, so every micro-step reduce-scatters, plus the param all-gather per step. zero 3:
-    every micro-step all-gathers params for forward and again for backward and reduce-scatters
-    gradients. With HSDP the sharded ops stay in the dp_shard group and the shards' gradients
-    are all-reduced across dp_replicate after every reduce-scatter.
+    zero 0: one all-reduce per step (gradients accumulate locally), behind the last micro-step's
+    backward. zero 1: reduce-scatter + all-gather of the updated params once per step - the same
+    volume - of which only the reduce-scatter hides. zero 2: gradients are sharded, so every
+    micro-step reduce-scatters behind its backward, plus the exposed param all-gather per step.
+    zero 3: every micro-step all-gathers params for forward and again for backward and
+    reduce-scatters gradients, all prefetched behind compute. With HSDP the sharded ops stay in
+    the dp_shard group and the shards' gradients are all-reduced across dp_replicate after each
+    reduce-scatter.
     """
     d = layout.dims
     if d.dp == 1:
-        return 0.0
+        return 0.0, 0.0
     p_bytes, g_bytes, _ = STATE_BYTES[precision]
     local = stage_params(shape, d.pp) / d.tp
     grads, params = local * g_bytes, local * p_bytes
     m, z = layout.grad_accum, layout.zero_stage
+    backward_last = (2.0 / 3.0) / m  # share of compute that is the last micro-step's backward
     if z == 0:
-        return all_reduce_s(grads, d.dp, *_link(topology, d.tp * d.dp))
+        return all_reduce_s(grads, d.dp, *_link(topology, d.tp * d.dp)), backward_last
     shard_link = _link(topology, d.tp * d.dp_shard)
     rep_link = _link(topology, d.tp * d.dp)
-    syncs = 1 if z == 1 else m  # how often gradients are reduce-scattered
     rs = reduce_scatter_s(grads, d.dp_shard, *shard_link)
     ag = all_gather_s(params, d.dp_shard, *shard_link)
     replica = all_reduce_s(grads / d.dp_shard, d.dp_replicate, *rep_link)
     if z == 3:
-        return m * (2 * ag + rs + replica)
-    return syncs * (rs + replica) + ag
+        return m * (2 * ag + rs + replica), 1.0
+    if z == 2:
+        return m * (rs + replica) + ag, 2.0 / 3.0
+    return rs + replica + ag, backward_last
 
 
 def estimate_step_time(
@@ -143,7 +166,15 @@ def estimate_step_time(
         # interleaved schedules shrink it by the number of virtual stages.
         bubble = (compute + tp) * (d.pp - 1) / (v * m)
 
-    dp = dp_comm_s(shape, layout, topology, precision)
+    dp_total, window = dp_comm_s(shape, layout, topology, precision)
+    # The window never hides the param all-gather after the optimizer step (zero 1/2).
+    hideable = (
+        dp_total
+        if layout.zero_stage in (0, 3)
+        else dp_total - _param_gather_s(shape, layout, topology, precision)
+    )
+    hidden = min(hideable, window * compute)
+    dp = dp_total - hidden + OVERLAP_TAX * hidden
 
     offload = 0.0
     if layout.offload_optimizer:
@@ -153,4 +184,10 @@ def estimate_step_time(
         offload = shard * (p_bytes + g_bytes) / PCIE_BANDWIDTH + shard / CPU_ADAM_PARAMS_PER_S
 
     total = compute + dp + tp + pp + bubble + offload
-    return StepTime(compute, dp, tp, pp, bubble, total, offload)
+    return StepTime(compute, dp, tp, pp, bubble, total, offload, hidden)
+
+
+def _param_gather_s(shape: ModelShape, layout: Layout, topology: Topology, precision: str) -> float:
+    d = layout.dims
+    params = stage_params(shape, d.pp) / d.tp * STATE_BYTES[precision][0]
+    return all_gather_s(params, d.dp_shard, *_link(topology, d.tp * d.dp_shard))

@@ -126,10 +126,18 @@ def activation_bytes(
 ) -> float:
     """Peak activation bytes on the heaviest pipeline stage under 1F1B."""
     _check_precision(precision)
-    layer = korthikanti_layer_bytes(
-        seq_len, micro_batch, shape.dim, shape.n_heads,
-        tp=tp, sequence_parallel=sequence_parallel, fused_attention=fused_attention,
-    ) * ACTIVATION_SCALE[precision]
+    layer = (
+        korthikanti_layer_bytes(
+            seq_len,
+            micro_batch,
+            shape.dim,
+            shape.n_heads,
+            tp=tp,
+            sequence_parallel=sequence_parallel,
+            fused_attention=fused_attention,
+        )
+        * ACTIVATION_SCALE[precision]
+    )
     layers = shape.n_layers // pp
     if activation_checkpointing:
         # Only each layer's input survives the forward (sharded over TP under SP); backward
@@ -163,8 +171,13 @@ def estimate_memory(
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     d = layout.dims
     params, grads, optimizer = model_state_bytes(
-        shape, tp=d.tp, pp=d.pp, shard=d.dp_shard, zero_stage=layout.zero_stage,
-        precision=precision, offload_optimizer=layout.offload_optimizer,
+        shape,
+        tp=d.tp,
+        pp=d.pp,
+        shard=d.dp_shard,
+        zero_stage=layout.zero_stage,
+        precision=precision,
+        offload_optimizer=layout.offload_optimizer,
         offload_params=offload_params,
     )
     p_bytes, g_bytes, _ = STATE_BYTES[precision]
@@ -176,10 +189,16 @@ def estimate_memory(
         # A layer's full gradient exists until its reduce-scatter completes.
         grads += layer_params * g_bytes
     activations = activation_bytes(
-        shape, seq_len=seq_len, micro_batch=layout.micro_batch, tp=d.tp, pp=d.pp,
-        grad_accum=layout.grad_accum, sequence_parallel=layout.sequence_parallel,
+        shape,
+        seq_len=seq_len,
+        micro_batch=layout.micro_batch,
+        tp=d.tp,
+        pp=d.pp,
+        grad_accum=layout.grad_accum,
+        sequence_parallel=layout.sequence_parallel,
         activation_checkpointing=layout.activation_checkpointing,
-        fused_attention=fused_attention, precision=precision,
+        fused_attention=fused_attention,
+        precision=precision,
     )
     used = params + grads + optimizer + activations
     total = used / (1.0 - margin)

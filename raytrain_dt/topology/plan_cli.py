@@ -1,0 +1,194 @@
+"""`raytrain-dt plan`: ask the planner for a layout without starting anything.
+
+Builds a `ModelShape` (a preset, or a Llama-like shape for `--params`) and a `Topology` from
+flags, runs `planner.plan`, and prints either a readable report or one JSON object. Errors
+the user can fix (bad flags, pins, nothing fits) print one line to stderr and return 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from raytrain_dt.errors import UserError
+from raytrain_dt.models.presets import PRESETS, ModelShape
+from raytrain_dt.topology.layout import Topology
+from raytrain_dt.topology.memory import shape_for_params
+from raytrain_dt.topology.planner import Candidate, LayoutPins, Plan, plan
+
+# About 4M tokens per step, the budget Llama 2/3 pre-training used, unless --global-batch.
+DEFAULT_TOKENS_PER_STEP = 4 * 2**20
+
+
+def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (one of)")
+    model.add_argument("--model", choices=sorted(PRESETS), help="a model preset")
+    model.add_argument(
+        "--params", type=float, help="a parameter count, e.g. 7.5e9 (Llama-like shape)"
+    )
+    cluster = parser.add_argument_group("cluster")
+    cluster.add_argument("--nodes", type=int, help="number of nodes")
+    cluster.add_argument("--gpus", type=int, help="total accelerators (instead of --nodes)")
+    cluster.add_argument(
+        "--gpus-per-node", type=int, default=None, help="accelerators per node (8)"
+    )
+    cluster.add_argument(
+        "--gpu-mem-gb", type=float, default=80.0, help="memory per accelerator, GB"
+    )
+    cluster.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s each")
+    cluster.add_argument(
+        "--intra-gbps", type=float, default=450.0, help="NVLink GB/s per accelerator"
+    )
+    cluster.add_argument(
+        "--inter-gbps", type=float, default=50.0, help="network GB/s per accelerator"
+    )
+    train = parser.add_argument_group("training")
+    train.add_argument("--seq-len", type=int, default=4096)
+    train.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="sequences per optimizer step (default: about 4M tokens)",
+    )
+    train.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    pins = parser.add_argument_group("pins (default: the planner chooses)")
+    pins.add_argument("--tp", type=int)
+    pins.add_argument("--pp", type=int)
+    pins.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
+    pins.add_argument("--micro-batch", type=int)
+    knobs = parser.add_argument_group("model knobs")
+    knobs.add_argument(
+        "--margin", type=float, default=0.10, help="memory margin, fraction of total"
+    )
+    knobs.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilisation")
+    knobs.add_argument("--top-k", type=int, default=5, help="alternatives to show")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
+    if (args.model is None) == (args.params is None):
+        raise UserError("plan: give exactly one of --model and --params")
+    name = args.model or f"{args.params:.3g} params"
+    shape = PRESETS[args.model] if args.model else shape_for_params(args.params)
+    if (args.nodes is None) == (args.gpus is None):
+        raise UserError("plan: give exactly one of --nodes and --gpus")
+    per_node = args.gpus_per_node or 8
+    if args.gpus is not None:
+        if args.gpus < 1:
+            raise UserError(f"--gpus: must be >= 1, got {args.gpus}")
+        if args.gpus_per_node is None and args.gpus < per_node:
+            per_node = args.gpus  # a single partial node
+        if args.gpus % per_node:
+            raise UserError(
+                f"--gpus: {args.gpus} is not a multiple of --gpus-per-node ({per_node})"
+            )
+        nodes = args.gpus // per_node
+    else:
+        nodes = args.nodes
+    if nodes < 1 or per_node < 1:
+        raise UserError(f"--nodes/--gpus-per-node: must be >= 1, got {nodes}, {per_node}")
+    topo = Topology(
+        num_nodes=nodes,
+        accelerators_per_node=per_node,
+        memory_per_accelerator=args.gpu_mem_gb * 1e9,
+        peak_flops=args.peak_tflops * 1e12,
+        intra_node_bandwidth=args.intra_gbps * 1e9,
+        inter_node_bandwidth=args.inter_gbps * 1e9,
+    )
+    batch = args.global_batch or max(1, round(DEFAULT_TOKENS_PER_STEP / args.seq_len))
+    return name, shape, topo, batch
+
+
+def _row(c: Candidate) -> str:
+    lay, d, gb = c.layout, c.layout.dims, c.memory.as_gb()
+    flags = ("ac " if lay.activation_checkpointing else "") + (
+        "off" if lay.offload_optimizer else ""
+    )
+    return (
+        f"{d.tp:>3} {d.pp:>3} {d.dp_replicate:>4}x{d.dp_shard:<5} {lay.zero_stage:>4} "
+        f"{lay.micro_batch:>3}x{lay.grad_accum:<5} {flags:<6} {gb['total']:>7.1f} "
+        f"{c.step_time.total_s:>9.3f}  {c.reason}"
+    )
+
+
+def format_plan(name: str, shape: ModelShape, topo: Topology, p: Plan, seq_len: int) -> str:
+    b, d = p.best, p.best.layout.dims
+    gb, t = b.memory.as_gb(), b.step_time
+    lines = [
+        f"model   {name}: {shape.num_params / 1e9:.2f}B params, {shape.n_layers} layers, dim {shape.dim}",
+        f"cluster {topo.num_nodes} node(s) x {topo.accelerators_per_node} accelerators, "
+        f"{topo.memory_per_accelerator / 1e9:.0f} GB each; global batch {b.layout.global_batch} x "
+        f"{seq_len} tokens",
+        "",
+        f"layout  {b.layout.describe()}  (world {d.world_size})",
+        f"        tp={d.tp} pp={d.pp} dp={d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}) "
+        f"zero={b.layout.zero_stage} micro_batch={b.layout.micro_batch} "
+        f"grad_accum={b.layout.grad_accum}",
+        "",
+        "memory per rank (GB)",
+        *(
+            f"  {k:<12}{gb[k]:>9.2f}"
+            for k in ("params", "grads", "optimizer", "activations", "margin")
+        ),
+        f"  {'total':<12}{gb['total']:>9.2f}  of {p.memory_budget_gb:.0f}",
+        "  model states at dp="
+        + str(d.dp)
+        + " (tp=pp=1): "
+        + ", ".join(f"{k} {v:.1f}" for k, v in p.model_states_gb.items()),
+        "",
+        f"step time (s)  {t.total_s:.3f}",
+        *(
+            f"  {k.removesuffix('_s'):<12}{v:>9.3f}"
+            for k, v in t.as_dict().items()
+            if k not in ("total_s", "dp_hidden_s") and (v or k == "compute_s")
+        ),
+        f"  (DP traffic overlapped with compute: {t.dp_hidden_s:.3f} s, not in the total)",
+        "",
+        f"why     {b.reason}",
+    ]
+    if p.alternatives:
+        lines += [
+            "",
+            "alternatives",
+            " tp  pp  dp(rep x shard) zero  mb x ga    flags  mem GB    step s  why",
+        ]
+        lines += [" " + _row(c) for c in p.alternatives]
+    return "\n".join(lines)
+
+
+def run_plan(args: argparse.Namespace) -> int:
+    try:
+        name, shape, topo, batch = _inputs(args)
+        pins = LayoutPins(
+            tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch
+        )
+        result = plan(
+            shape,
+            topo,
+            global_batch=batch,
+            seq_len=args.seq_len,
+            pins=pins,
+            precision=args.precision,
+            margin=args.margin,
+            mfu=args.mfu,
+            top_k=args.top_k,
+        )
+    except (UserError, ValueError) as exc:  # ValueError: out-of-range knobs from the models
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result.to_json(), sort_keys=True))
+    else:
+        print(format_plan(name, shape, topo, result, args.seq_len))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="raytrain-dt plan", description=__doc__.splitlines()[0])
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

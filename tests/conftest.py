@@ -1,0 +1,63 @@
+"""Shared fixtures: one simulated multi-node Ray cluster per test session, a small dataset.
+
+The cluster has 2 nodes x 2 accelerators (the `accelerator` resource), like the embedded
+default's simulated nodes; tests that need a third node add and remove it themselves. Ray keeps
+its files in a short temp dir (its socket paths have a length limit).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+from raytrain_dt.config import load_config  # noqa: E402
+from raytrain_dt.data.prepare import prepare_dataset  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+TEXT_GLOB = str(REPO / "raytrain_dt" / "**" / "*.py")
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    import ray
+
+    from raytrain_dt.config.schema import ClusterConfig
+    from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, start_simulated_cluster
+
+    temp_dir = tempfile.mkdtemp(prefix="rtdt_", dir="/tmp")
+    sim = start_simulated_cluster(
+        ClusterConfig(local_nodes=2, accelerators_per_node=2), SIMULATED_ACCELERATOR, temp_dir
+    )
+    ray.init(address=sim.address, log_to_driver=False)
+    yield sim
+    ray.shutdown()
+    sim.shutdown()
+    shutil.rmtree(temp_dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def token_data(tmp_path_factory) -> Path:
+    """This package's own sources as a small token dataset (about 3k sequences of 64)."""
+    out = tmp_path_factory.mktemp("data") / "tokens"
+    prepare_dataset(out, TEXT_GLOB, seq_len=64, max_tokens=200_000)
+    return out
+
+
+@pytest.fixture
+def make_config(token_data, tmp_path):
+    def make(*overrides: str, run_dir: Path | None = None):
+        return load_config(
+            REPO / "conf" / "test.yaml",
+            [f"data.path={token_data}", f"run.dir={run_dir or tmp_path / 'run'}", *overrides],
+        )
+
+    return make

@@ -1,0 +1,63 @@
+"""Single-process references that the distributed runs are checked against.
+
+Plain torch, no process group, no Ray, no accumulation: the whole global batch in one forward,
+so it shares no parallel machinery with what it checks. It reads the same samples from the
+dataset through the same documented global order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.control.coordinator import model_shape
+from raytrain_dt.data.order import sample_ids
+from raytrain_dt.data.source import TokenDataset
+from raytrain_dt.engines.optim import build_adamw, set_lr
+from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.models.llama import build_model, next_token_loss
+
+
+def global_batch_ids(cfg: TrainConfig, dataset: TokenDataset, step: int) -> np.ndarray:
+    g = cfg.trainer.global_batch
+    return sample_ids(np.arange(step * g, (step + 1) * g), dataset.num_samples, cfg.data.shuffle_seed)
+
+
+def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of the first `steps` steps and the parameters after them."""
+    dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
+    model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
+    optimizer = build_adamw(model, cfg.trainer)
+    t = cfg.trainer
+    losses = []
+    for step in range(steps):
+        set_lr(optimizer, lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
+                                min_lr_ratio=t.min_lr_ratio))
+        tokens = torch.from_numpy(dataset.read(global_batch_ids(cfg, dataset, step)))
+        loss = next_token_loss(model(tokens), tokens)
+        loss.backward()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def load_checkpoint_params(path: str) -> dict[str, torch.Tensor]:
+    """The model parameters of a DCP checkpoint, gathered in this single process."""
+    state = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(path))
+    return {k.removeprefix("model."): v for k, v in _flatten(state).items() if k.startswith("model.")}
+
+
+def _flatten(state: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
