@@ -5,8 +5,12 @@ the coordinator joins the job's cluster instead of starting an embedded one.
 """
 
 import sys
+from pathlib import Path
 
-from raytrain_dt.cli import main
+# With --working-dir the package arrives as source next to this file, not installed.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raytrain_dt.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -36,7 +36,9 @@ def test_7b_zero3_over_64_ranks_is_16_bytes_over_64() -> None:
     [(0, 16.0), (1, 2 + 2 + 12 / 8), (2, 2 + 2 / 8 + 12 / 8), (3, 16 / 8)],
 )
 def test_zero_stages_over_8_ranks(zero, bytes_per_param) -> None:
-    assert sum(model_state_bytes(L7, shard=8, zero_stage=zero)) == pytest.approx(P7 * bytes_per_param)
+    assert sum(model_state_bytes(L7, shard=8, zero_stage=zero)) == pytest.approx(
+        P7 * bytes_per_param
+    )
 
 
 def test_fp32_has_no_master_copy_and_offload_leaves_the_device() -> None:

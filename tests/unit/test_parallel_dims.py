@@ -14,7 +14,7 @@ def test_product_mismatch_names_the_product() -> None:
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5])
 def test_degrees_must_be_positive_ints(bad) -> None:
-    with pytest.raises(ValueError, match="ParallelDims.tp"):
+    with pytest.raises(ValueError, match=r"ParallelDims\.tp"):
         ParallelDims(world_size=4, tp=bad)
 
 

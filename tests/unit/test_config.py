@@ -1,0 +1,61 @@
+"""Config loading: recipes + overrides merge onto the schema; bad input names the key."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_dt.cli import main
+from raytrain_dt.config import from_yaml, load_config, to_yaml
+from raytrain_dt.errors import ConfigError
+
+
+def test_recipe_and_overrides_merge():
+    cfg = load_config("conf/tiny.yaml", ["trainer.steps=30", "run.dir=/tmp/r1"])
+    assert cfg.trainer.steps == 30
+    assert cfg.run.dir == "/tmp/r1"
+    assert cfg.model.preset == "tiny"
+    assert from_yaml(to_yaml(cfg)) == cfg
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("trainer.stepz=3", "trainer.stepz: unknown key"),
+        ("bogus.key=1", "bogus: unknown key"),
+        ("trainer.steps=abc", "trainer.steps: 'abc' is not a valid int"),
+        ("resume=maybe", "resume: 'maybe' is not a valid bool"),
+        ("trainer.steps=0", "trainer.steps: must be > 0, got 0"),
+        ("trainer.lr=-1", "trainer.lr: must be >= 0, got -1.0"),
+        ("engine.name=megatron", "engine.name: 'megatron' is not one of fsdp2, deepspeed"),
+        ("parallel.pp_schedule=zb", "parallel.pp_schedule: 'zb' is not one of gpipe, 1f1b, interleaved"),
+        ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio: must be in [0, 1], got 2.0"),
+        ("trainer.warmup_steps=99", "trainer.warmup_steps: 99 exceeds trainer.steps=30"),
+        ("data.seq_len=1", "data.seq_len: must be >= 2, got 1"),
+        ("trainerx", "trainerx: override must look like key=value"),
+    ],
+)
+def test_bad_values_name_the_key(override, message):
+    with pytest.raises(ConfigError) as info:
+        load_config("conf/tiny.yaml", [override])
+    assert str(info.value) == message
+
+
+def test_missing_recipe_names_the_file():
+    with pytest.raises(ConfigError, match=r"conf/nope.yaml: recipe file not found"):
+        load_config("conf/nope.yaml")
+
+
+def test_cli_exits_2_with_one_line_before_any_actor_starts(capsys, tmp_path):
+    code = main(["train", "conf/tiny.yaml", "trainer.stepz=3", f"run.dir={tmp_path}/r"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err == ["error: trainer.stepz: unknown key"]
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_missing_dataset_is_one_line(capsys, tmp_path):
+    code = main(["train", "conf/tiny.yaml", f"data.path={tmp_path}/none", f"run.dir={tmp_path}/r"])
+    assert code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"error: {tmp_path}/none: dataset path does not exist (data.path)"
+    )

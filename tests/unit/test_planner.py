@@ -1,0 +1,268 @@
+"""Planner: practitioners' regimes, exact global batch, pins, errors, determinism, CLI, speed.
+
+Also the step-time model's orderings that the regimes rest on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import pytest
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.errors import ConfigError, PlanningError
+from raytrain_dt.models.presets import PRESETS
+from raytrain_dt.topology.cost import (
+    all_gather_s,
+    all_reduce_s,
+    estimate_step_time,
+    reduce_scatter_s,
+)
+from raytrain_dt.topology.layout import Layout, Topology
+from raytrain_dt.topology.parallel_dims import ParallelDims
+from raytrain_dt.topology.plan_cli import add_plan_arguments, run_plan
+from raytrain_dt.topology.planner import LayoutPins, plan
+
+H100 = 80e9
+
+
+def _plan(model: str, nodes: int, per_node: int = 8, *, gb: int = 256, seq: int = 4096, **kw):
+    topo = Topology(nodes, per_node, memory_per_accelerator=H100)
+    return plan(PRESETS[model], topo, global_batch=gb, seq_len=seq, **kw)
+
+
+# --- regimes -------------------------------------------------------------------------------
+def test_small_model_gets_plain_data_parallel() -> None:
+    best = _plan("llama-1b", 1).best
+    lay, d = best.layout, best.layout.dims
+    assert (d.tp, d.pp, d.dp, lay.zero_stage) == (1, 1, 8, 0)
+    assert (d.dp_replicate, d.dp_shard) == (8, 1)
+    assert "plain DP fits" in best.reason
+
+
+def test_7b_on_one_node_needs_sharding_but_no_model_parallelism() -> None:
+    best = _plan("llama-7b", 1).best
+    d = best.layout.dims
+    assert (d.tp, d.pp, d.dp) == (1, 1, 8)
+    assert best.layout.zero_stage >= 1  # 16 B/param = 108 GB: plain DP cannot fit
+    assert "zero>=1 needed" in best.reason
+
+
+def test_13b_on_one_node_gets_fsdp() -> None:
+    best = _plan("llama-13b", 1).best
+    d = best.layout.dims
+    assert (d.tp, d.pp, d.dp_shard, best.layout.zero_stage) == (1, 1, 8, 3)
+
+
+def test_7b_on_four_nodes_gets_hsdp() -> None:
+    best = _plan("llama-7b", 4, gb=512).best
+    d = best.layout.dims
+    assert (d.tp, d.pp, best.layout.zero_stage) == (1, 1, 3)
+    assert (d.dp_replicate, d.dp_shard) == (4, 8)  # shard on NVLink, replicate across nodes
+
+
+def test_70b_gets_tp_within_node_and_pp_across_nodes() -> None:
+    p = _plan("llama-70b", 8, gb=1024)
+    d = p.best.layout.dims
+    assert d.tp > 1 and d.pp > 1 and 8 % d.tp == 0
+    assert (
+        "within a node" in p.best.reason and "faster than data parallelism alone" in p.best.reason
+    )
+    assert p.best.layout.sequence_parallel
+    assert p.best.memory.total <= H100
+
+
+def test_405b_needs_tp_and_full_sharding() -> None:
+    best = _plan("llama-405b", 16, gb=1024).best
+    assert best.layout.dims.tp >= 4 and best.layout.zero_stage == 3
+    assert "no data-parallel-only layout fits" in best.reason
+
+
+# --- invariants ----------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("model", "nodes", "per_node", "gb"),
+    [("llama-7b", 1, 8, 96), ("llama-70b", 4, 8, 768), ("tiny", 1, 4, 12), ("llama-1b", 2, 8, 48)],
+)
+def test_global_batch_is_kept_exactly(model, nodes, per_node, gb) -> None:
+    p = _plan(model, nodes, per_node, gb=gb, seq=2048)
+    for c in [p.best, *p.alternatives]:
+        assert c.layout.global_batch == gb
+        assert c.memory.total <= H100
+
+
+def test_fallback_to_a_smaller_world_when_dp_cannot_divide_the_batch() -> None:
+    # 24 GPUs: dp is always 3 x 2^k for 32 layers and tp | 8, and 3 does not divide 64.
+    p = _plan("llama-7b", 3, gb=64)
+    assert p.best.layout.dims.world_size == 16 and p.best.layout.global_batch == 64
+    assert p.best.reason.startswith("uses 16 of 24 accelerators")
+
+
+def test_uses_every_accelerator_when_it_can() -> None:
+    assert _plan("llama-7b", 2, gb=64).best.layout.dims.world_size == 16
+
+
+def test_pins_are_honoured() -> None:
+    pins = LayoutPins(tp=2, pp=2, zero_stage=1, micro_batch=2, activation_checkpointing=True)
+    lay = _plan("llama-7b", 1, gb=64, pins=pins).best.layout
+    assert (lay.dims.tp, lay.dims.pp, lay.zero_stage, lay.micro_batch) == (2, 2, 1, 2)
+    assert lay.activation_checkpointing and lay.grad_accum == 16 and lay.dims.dp == 2
+
+
+def test_pins_from_config() -> None:
+    cfg = TrainConfig()
+    cfg.parallel.tp, cfg.engine.zero_stage, cfg.trainer.micro_batch = 2, 3, 4
+    cfg.trainer.activation_checkpointing = True
+    pins = LayoutPins.from_config(cfg)
+    assert (pins.tp, pins.pp, pins.zero_stage, pins.micro_batch) == (2, None, 3, 4)
+    assert pins.activation_checkpointing is True
+    assert pins.offload_optimizer is None and pins.sequence_parallel is None  # False = free
+
+
+@pytest.mark.parametrize(
+    ("pins", "message"),
+    [
+        (
+            LayoutPins(tp=3),
+            r"^parallel\.tp: 3 does not divide cluster accelerators per node \(8\)$",
+        ),
+        (LayoutPins(pp=5), r"^parallel\.pp: 5 does not divide model\.n_layers \(32\)$"),
+        (LayoutPins(tp=8, pp=4), r"^parallel\.pp: tp\(8\) x pp\(4\) = 32 exceeds"),
+        (LayoutPins(zero_stage=0, dp_shard=8), r"^engine\.zero_stage: 0 \(plain DP\)"),
+        (LayoutPins(zero_stage=5), r"^engine\.zero_stage"),
+        (LayoutPins(micro_batch=3), r"^trainer\.micro_batch: 3 does not divide"),
+        (LayoutPins(tp=0), r"^parallel\.tp: must be a positive int"),
+        (LayoutPins(virtual_stages=2), r"^parallel\.virtual_stages"),
+    ],
+)
+def test_invalid_pins_name_the_key(pins, message) -> None:
+    with pytest.raises(ConfigError, match=message):
+        _plan("llama-7b", 1, gb=64, pins=pins)
+
+
+def test_tp_must_divide_kv_heads() -> None:
+    topo = Topology(1, 8)
+    with pytest.raises(ConfigError, match=r"model\.n_kv_heads \(2\)"):
+        plan(PRESETS["tiny"], topo, global_batch=8, seq_len=64, pins=LayoutPins(tp=4))
+
+
+def test_nothing_fits_is_one_line_with_the_memory_needed() -> None:
+    with pytest.raises(PlanningError) as err:
+        _plan("llama-405b", 1, gb=64)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith("nothing fits")
+    assert "GB per accelerator" in msg and "tp=8" in msg
+
+
+def test_deterministic() -> None:
+    a = _plan("llama-70b", 8, gb=1024).to_json()
+    b = _plan("llama-70b", 8, gb=1024).to_json()
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+
+
+def test_to_json_shape() -> None:
+    record = _plan("llama-7b", 1).to_json()
+    assert set(record["layout"]) >= {
+        "pp", "dp", "tp", "dp_replicate", "dp_shard", "zero_stage", "micro_batch",
+        "grad_accum", "activation_checkpointing",
+    }  # fmt: skip
+    assert set(record["memory_gb_per_rank"]) >= {
+        "params",
+        "grads",
+        "optimizer",
+        "activations",
+        "total",
+    }
+    states = record["model_state_gb_per_rank"]
+    assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"]
+    assert states["zero3"] == pytest.approx(6.738415616 * 16 / 8, rel=1e-3)
+    assert record["step_time_s"] > 0 and record["reason"]
+    assert record["alternatives"] and "alternatives" not in record["alternatives"][0]
+
+
+def test_planning_405b_on_8192_gpus_is_fast() -> None:
+    start = time.perf_counter()
+    p = _plan("llama-405b", 1024, gb=2048)
+    assert time.perf_counter() - start < 5.0  # loose; bench/bench_planner.py measures it
+    assert p.best.layout.global_batch == 2048
+
+
+# --- cost model orderings ------------------------------------------------------------------
+def test_all_reduce_moves_what_reduce_scatter_plus_all_gather_move() -> None:
+    args = (1e9, 8, 450e9, 5e-6)
+    assert all_reduce_s(*args) == pytest.approx(reduce_scatter_s(*args) + all_gather_s(*args))
+    assert all_reduce_s(1e9, 1, 450e9, 5e-6) == 0.0
+
+
+def _time(zero: int, *, ac: bool = False, pp: int = 1, ga: int = 8):
+    dp = 8 // pp
+    dims = ParallelDims(
+        8, pp=pp, dp_replicate=dp if zero == 0 else 1, dp_shard=1 if zero == 0 else dp
+    )
+    layout = Layout(dims, zero, 1, ga, activation_checkpointing=ac)
+    return estimate_step_time(PRESETS["llama-7b"], layout, Topology(1, 8), seq_len=4096)
+
+
+def test_more_dp_volume_is_slower_even_when_hidden() -> None:
+    times = [_time(z).total_s for z in (0, 1, 2, 3)]
+    assert times == sorted(times) and times[3] > times[2]
+
+
+def test_checkpointing_adds_a_forward_and_pipelines_pay_a_bubble() -> None:
+    assert _time(0, ac=True).compute_s == pytest.approx(_time(0).compute_s * 4 / 3)
+    t = _time(0, pp=4, ga=16)
+    assert t.bubble_s == pytest.approx((t.compute_s + t.tp_comm_s) * 3 / 16)
+    assert t.pp_comm_s > 0 and t.total_s == pytest.approx(
+        t.compute_s + t.dp_comm_s + t.tp_comm_s + t.pp_comm_s + t.bubble_s + t.offload_s
+    )
+
+
+# --- CLI -----------------------------------------------------------------------------------
+def _cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    add_plan_arguments(parser)
+    return run_plan(parser.parse_args(argv))
+
+
+def test_cli_json(capsys) -> None:
+    rc = _cli(
+        [
+            "--model",
+            "llama-70b",
+            "--nodes",
+            "8",
+            "--gpus-per-node",
+            "8",
+            "--gpu-mem-gb",
+            "80",
+            "--json",
+        ]
+    )
+    assert rc == 0
+    record = json.loads(capsys.readouterr().out)
+    for key in (
+        "layout",
+        "memory_gb_per_rank",
+        "model_state_gb_per_rank",
+        "step_time_s",
+        "reason",
+        "alternatives",
+    ):
+        assert key in record
+    assert record["layout"]["global_batch"] == 1024  # ~4M tokens at seq 4096
+
+
+def test_cli_params_and_gpus_and_table(capsys) -> None:
+    assert _cli(["--params", "7.5e9", "--gpus", "64", "--global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank (GB)" in out and "step time (s)" in out and "alternatives" in out
+
+
+def test_cli_errors_return_2_with_one_line(capsys) -> None:
+    assert _cli(["--model", "llama-405b", "--nodes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nothing fits" in err
+    assert _cli(["--model", "llama-7b", "--nodes", "1", "--tp", "3"]) == 2
+    assert "parallel.tp" in capsys.readouterr().err
+    assert _cli(["--model", "llama-7b", "--params", "7e9", "--nodes", "1"]) == 2
