@@ -10,7 +10,7 @@ from pathlib import Path
 # With --working-dir the package arrives as source next to this file, not installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raytrain_dt.cli import main  # noqa: E402
+from raytrain_dt.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["train", *sys.argv[1:]]))

@@ -36,8 +36,10 @@ def _prepare_data(args: argparse.Namespace) -> int:
     from raytrain_dt.data.prepare import prepare_dataset
 
     meta = prepare_dataset(args.out, args.text_glob, args.seq_len, args.max_tokens)
-    print(f"{meta['num_samples']} sequences of {meta['seq_len']} tokens from "
-          f"{meta['num_files']} files -> {args.out}")
+    print(
+        f"{meta['num_samples']} sequences of {meta['seq_len']} tokens from "
+        f"{meta['num_files']} files -> {args.out}"
+    )
     return 0
 
 
@@ -51,7 +53,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="raytrain-dt", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("train", help="train from a recipe (embedded local Ray unless an address is set)")
+    p = sub.add_parser(
+        "train", help="train from a recipe (embedded local Ray unless an address is set)"
+    )
     p.add_argument("config", help="recipe YAML, e.g. conf/tiny.yaml")
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.steps=30")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else embedded)")

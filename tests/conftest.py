@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
-from raytrain_dt.config import load_config  # noqa: E402
-from raytrain_dt.data.prepare import prepare_dataset  # noqa: E402
+from raytrain_dt.config import load_config
+from raytrain_dt.data.prepare import prepare_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT_GLOB = str(REPO / "raytrain_dt" / "**" / "*.py")

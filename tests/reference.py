@@ -23,7 +23,9 @@ from raytrain_dt.models.llama import build_model, next_token_loss
 
 def global_batch_ids(cfg: TrainConfig, dataset: TokenDataset, step: int) -> np.ndarray:
     g = cfg.trainer.global_batch
-    return sample_ids(np.arange(step * g, (step + 1) * g), dataset.num_samples, cfg.data.shuffle_seed)
+    return sample_ids(
+        np.arange(step * g, (step + 1) * g), dataset.num_samples, cfg.data.shuffle_seed
+    )
 
 
 def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -34,8 +36,16 @@ def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, 
     t = cfg.trainer
     losses = []
     for step in range(steps):
-        set_lr(optimizer, lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                                min_lr_ratio=t.min_lr_ratio))
+        set_lr(
+            optimizer,
+            lr_at(
+                step,
+                lr=t.lr,
+                warmup_steps=t.warmup_steps,
+                total_steps=t.steps,
+                min_lr_ratio=t.min_lr_ratio,
+            ),
+        )
         tokens = torch.from_numpy(dataset.read(global_batch_ids(cfg, dataset, step)))
         loss = next_token_loss(model(tokens), tokens)
         loss.backward()
@@ -50,7 +60,9 @@ def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, 
 def load_checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     """The model parameters of a DCP checkpoint, gathered in this single process."""
     state = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(path))
-    return {k.removeprefix("model."): v for k, v in _flatten(state).items() if k.startswith("model.")}
+    return {
+        k.removeprefix("model."): v for k, v in _flatten(state).items() if k.startswith("model.")
+    }
 
 
 def _flatten(state: dict, prefix: str = "") -> dict:

@@ -39,7 +39,9 @@ def list_checkpoints(root: str | Path) -> list[CheckpointRef]:
         state_file = child / TRAIN_STATE
         if match and state_file.is_file():
             state = json.loads(state_file.read_text())
-            found.append(CheckpointRef(str(child), int(match.group(1)), state["consumed_samples"], state))
+            found.append(
+                CheckpointRef(str(child), int(match.group(1)), state["consumed_samples"], state)
+            )
     return sorted(found, key=lambda ref: ref.step)
 
 

@@ -31,7 +31,9 @@ def _declared_type(dotted_key: str) -> str:
     node: object = TrainConfig()
     annotation = "value"
     for part in dotted_key.split("."):
-        fields = {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        fields = (
+            {f.name: f for f in dataclasses.fields(node)} if dataclasses.is_dataclass(node) else {}
+        )
         if part not in fields:
             break
         annotation = str(fields[part].type)
@@ -39,7 +41,9 @@ def _declared_type(dotted_key: str) -> str:
     return annotation
 
 
-def load_config(recipe: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+def load_config(
+    recipe: str | Path | None = None, overrides: list[str] | None = None
+) -> TrainConfig:
     """Merge the schema defaults, a recipe file and dotlist overrides; validate the result."""
     schema = OmegaConf.structured(TrainConfig)
     layers = [schema]

@@ -200,9 +200,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         if not 0.0 <= _get(cfg, key) < 1.0:
             raise ConfigError(f"{key}: must be in [0, 1), got {_get(cfg, key)}")
     if t.warmup_steps > t.steps:
-        raise ConfigError(
-            f"trainer.warmup_steps: {t.warmup_steps} exceeds trainer.steps={t.steps}"
-        )
+        raise ConfigError(f"trainer.warmup_steps: {t.warmup_steps} exceeds trainer.steps={t.steps}")
     if t.micro_batch and t.grad_accum and t.global_batch % (t.micro_batch * t.grad_accum):
         raise ConfigError(
             f"trainer.global_batch: {t.global_batch} is not a multiple of "

@@ -36,11 +36,16 @@ class ClusterHandle:
 
 def _embedded_cpus(cluster: ClusterConfig) -> int:
     # Actors take a fraction of a CPU each; Ray Data tasks need whole logical CPUs to schedule.
-    return max(4, os.cpu_count() or 1, int(cluster.accelerators_per_node * cluster.cpus_per_rank) + 2)
+    return max(
+        4, os.cpu_count() or 1, int(cluster.accelerators_per_node * cluster.cpus_per_rank) + 2
+    )
 
 
 def _node_resources(cluster: ClusterConfig, resource: str) -> dict:
-    return {"num_cpus": _embedded_cpus(cluster), "resources": {resource: cluster.accelerators_per_node}}
+    return {
+        "num_cpus": _embedded_cpus(cluster),
+        "resources": {resource: cluster.accelerators_per_node},
+    }
 
 
 @contextmanager
@@ -61,10 +66,18 @@ def connect(cluster: ClusterConfig, temp_dir: str | None = None) -> Iterator[Clu
         return
     resource = cluster.accelerator_resource or SIMULATED_ACCELERATOR
     if cluster.local_nodes == 1:
-        log.info("starting an embedded Ray instance (%d x %s)", cluster.accelerators_per_node, resource)
+        log.info(
+            "starting an embedded Ray instance (%d x %s)", cluster.accelerators_per_node, resource
+        )
         res = _node_resources(cluster, resource)
-        ray.init(num_cpus=res["num_cpus"], resources=res["resources"], include_dashboard=False,
-                 log_to_driver=False, _temp_dir=temp_dir, configure_logging=False)
+        ray.init(
+            num_cpus=res["num_cpus"],
+            resources=res["resources"],
+            include_dashboard=False,
+            log_to_driver=False,
+            _temp_dir=temp_dir,
+            configure_logging=False,
+        )
         try:
             yield ClusterHandle("embedded", resource)
         finally:
@@ -83,8 +96,12 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
     """`cluster.local_nodes` raylets on this machine, each with its own accelerators."""
     from ray.cluster_utils import Cluster
 
-    log.info("starting a simulated cluster: %d nodes x %d %s", cluster.local_nodes,
-             cluster.accelerators_per_node, resource)
+    log.info(
+        "starting a simulated cluster: %d nodes x %d %s",
+        cluster.local_nodes,
+        cluster.accelerators_per_node,
+        resource,
+    )
     head_args = {**_node_resources(cluster, resource), "include_dashboard": False}
     if temp_dir:
         head_args["temp_dir"] = temp_dir

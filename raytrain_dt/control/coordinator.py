@@ -56,8 +56,14 @@ class RunResult:
 def model_shape(cfg: TrainConfig) -> ModelShape:
     m = cfg.model
     return resolve_shape(
-        m.preset, dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-        vocab_size=m.vocab_size, ffn_hidden=m.ffn_hidden, tie_embeddings=m.tie_embeddings,
+        m.preset,
+        dim=m.dim,
+        n_layers=m.n_layers,
+        n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads,
+        vocab_size=m.vocab_size,
+        ffn_hidden=m.ffn_hidden,
+        tie_embeddings=m.tie_embeddings,
     )
 
 
@@ -65,8 +71,11 @@ def open_dataset(cfg: TrainConfig) -> TokenDataset:
     """The run's dataset; the default corpus is prepared on first use."""
     path = Path(cfg.data.path)
     if not path.exists() and (cfg.data.path == DEFAULT_DATA_PATH or cfg.data.text_glob):
-        log.info("dataset %s does not exist yet: preparing it from %s", path,
-                 cfg.data.text_glob or "the Python standard library sources")
+        log.info(
+            "dataset %s does not exist yet: preparing it from %s",
+            path,
+            cfg.data.text_glob or "the Python standard library sources",
+        )
         prepare_dataset(path, cfg.data.text_glob, cfg.data.seq_len)
     return TokenDataset.open(path, cfg.data.seq_len)
 
@@ -76,7 +85,9 @@ def choose_layout(cfg: TrainConfig, world_size: int) -> Layout:
     p = cfg.parallel
     tp, pp = p.tp or 1, p.pp or 1
     if world_size % (tp * pp):
-        raise ConfigError(f"parallel.tp x parallel.pp = {tp * pp} does not divide {world_size} ranks")
+        raise ConfigError(
+            f"parallel.tp x parallel.pp = {tp * pp} does not divide {world_size} ranks"
+        )
     dp = world_size // (tp * pp)
     zero = 3 if cfg.engine.zero_stage is None else cfg.engine.zero_stage
     if p.dp_replicate or p.dp_shard:
@@ -87,20 +98,31 @@ def choose_layout(cfg: TrainConfig, world_size: int) -> Layout:
     else:
         dp_replicate, dp_shard = 1, dp
     try:
-        dims = ParallelDims(world_size=world_size, pp=pp, tp=tp, dp_replicate=dp_replicate,
-                            dp_shard=dp_shard)
+        dims = ParallelDims(
+            world_size=world_size, pp=pp, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard
+        )
     except ValueError as exc:
         raise ConfigError(f"parallel: {exc}") from exc
-    micro, accum = split_global_batch(cfg.trainer.global_batch, dims.dp, cfg.trainer.micro_batch,
-                                      cfg.trainer.grad_accum)
-    return Layout(dims=dims, zero_stage=zero, micro_batch=micro, grad_accum=accum,
-                  activation_checkpointing=cfg.trainer.activation_checkpointing,
-                  sequence_parallel=p.sequence_parallel, offload_optimizer=cfg.engine.offload_optimizer,
-                  pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages)
+    micro, accum = split_global_batch(
+        cfg.trainer.global_batch, dims.dp, cfg.trainer.micro_batch, cfg.trainer.grad_accum
+    )
+    return Layout(
+        dims=dims,
+        zero_stage=zero,
+        micro_batch=micro,
+        grad_accum=accum,
+        activation_checkpointing=cfg.trainer.activation_checkpointing,
+        sequence_parallel=p.sequence_parallel,
+        offload_optimizer=cfg.engine.offload_optimizer,
+        pp_schedule=p.pp_schedule,
+        virtual_stages=p.virtual_stages,
+    )
 
 
 class Coordinator:
-    def __init__(self, cfg: TrainConfig, ray_temp_dir: str | None = None, show_progress: bool = True):
+    def __init__(
+        self, cfg: TrainConfig, ray_temp_dir: str | None = None, show_progress: bool = True
+    ):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir).resolve()
         self.checkpoint_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints").resolve()
@@ -136,23 +158,39 @@ class Coordinator:
             )
         return wanted, capacities
 
-    def _rank_specs(self, group: RankGroup, layout: Layout, dataset: TokenDataset,
-                    resume: CheckpointRef | None) -> list[RankSpec]:
+    def _rank_specs(
+        self, group: RankGroup, layout: Layout, dataset: TokenDataset, resume: CheckpointRef | None
+    ) -> list[RankSpec]:
         start_step = resume.step if resume else 0
         consumed = resume.consumed_samples if resume else 0
         addr, port = group.master
         specs = []
         for rank in range(layout.dims.world_size):
             data = DataSlice(
-                dataset=dataset, shuffle_seed=self.cfg.data.shuffle_seed, consumed_samples=consumed,
-                num_steps=self.cfg.trainer.steps - start_step, global_batch=layout.global_batch,
-                dp=layout.dims.dp, dp_rank=layout.dims.coords(rank).dp, micro_batch=layout.micro_batch,
+                dataset=dataset,
+                shuffle_seed=self.cfg.data.shuffle_seed,
+                consumed_samples=consumed,
+                num_steps=self.cfg.trainer.steps - start_step,
+                global_batch=layout.global_batch,
+                dp=layout.dims.dp,
+                dp_rank=layout.dims.coords(rank).dp,
+                micro_batch=layout.micro_batch,
             )
-            specs.append(RankSpec(
-                rank=rank, layout=layout, master_addr=addr, master_port=port, cfg=self.cfg,
-                shape=self.shape, data=data, start_step=start_step, end_step=self.cfg.trainer.steps,
-                checkpoint_root=str(self.checkpoint_root), resume_from=resume.path if resume else None,
-            ))
+            specs.append(
+                RankSpec(
+                    rank=rank,
+                    layout=layout,
+                    master_addr=addr,
+                    master_port=port,
+                    cfg=self.cfg,
+                    shape=self.shape,
+                    data=data,
+                    start_step=start_step,
+                    end_step=self.cfg.trainer.steps,
+                    checkpoint_root=str(self.checkpoint_root),
+                    resume_from=resume.path if resume else None,
+                )
+            )
         return specs
 
     # --- the run -----------------------------------------------------------------------------
@@ -166,17 +204,30 @@ class Coordinator:
             logging.getLogger("raytrain_dt").removeHandler(handler)
             handler.close()
 
-    def _train(self, handle: ClusterHandle, dataset: TokenDataset, resume: CheckpointRef | None) -> RunResult:
+    def _train(
+        self, handle: ClusterHandle, dataset: TokenDataset, resume: CheckpointRef | None
+    ) -> RunResult:
         world_size, capacities = self._world_size(handle)
         layout = choose_layout(self.cfg, world_size)
         (self.run_dir / "layout.json").write_text(json.dumps(layout.as_dict(), indent=2))
-        log.info("layout: %s on %d ranks (%s); run dir %s", layout.describe(), world_size,
-                 handle.mode, self.run_dir)
+        log.info(
+            "layout: %s on %d ranks (%s); run dir %s",
+            layout.describe(),
+            world_size,
+            handle.mode,
+            self.run_dir,
+        )
         recorder = RunRecorder(self.run_dir, resume.step if resume else 0)
-        recorder.event("start", layout=layout.as_dict(), resumed_from=resume.path if resume else None)
-        group = RankGroup(str(self.run_dir), handle.accelerator_resource, self.cfg.cluster.cpus_per_rank)
+        recorder.event(
+            "start", layout=layout.as_dict(), resumed_from=resume.path if resume else None
+        )
+        group = RankGroup(
+            str(self.run_dir), handle.accelerator_resource, self.cfg.cluster.cpus_per_rank
+        )
         try:
-            group.start(world_size, capacities, layout.dims.tp, self.cfg.cluster.placement_timeout_s)
+            group.start(
+                world_size, capacities, layout.dims.tp, self.cfg.cluster.placement_timeout_s
+            )
             specs = self._rank_specs(group, layout, dataset, resume)
             timings = group.call("setup", [(s,) for s in specs])
             group.call("start")
@@ -186,15 +237,29 @@ class Coordinator:
             group.shutdown()
             recorder.close()
         latest = latest_checkpoint(self.checkpoint_root)
-        return RunResult(str(self.run_dir), final_step, recorder.last_metrics,
-                         latest.path if latest else None, layout, timings)
+        return RunResult(
+            str(self.run_dir),
+            final_step,
+            recorder.last_metrics,
+            latest.path if latest else None,
+            layout,
+            timings,
+        )
 
-    def _monitor(self, group: RankGroup, layout: Layout, recorder: RunRecorder, start_step: int) -> int:
+    def _monitor(
+        self, group: RankGroup, layout: Layout, recorder: RunRecorder, start_step: int
+    ) -> int:
         steps = self.cfg.trainer.steps
         dp_of = [layout.dims.coords(r).dp for r in range(layout.dims.world_size)]
         step = start_step
-        bar = tqdm(total=steps, initial=start_step, desc="train", unit="step",
-                   disable=not self.show_progress, dynamic_ncols=True)
+        bar = tqdm(
+            total=steps,
+            initial=start_step,
+            desc="train",
+            unit="step",
+            disable=not self.show_progress,
+            dynamic_ncols=True,
+        )
         try:
             while True:
                 statuses = group.poll()
@@ -202,17 +267,29 @@ class Coordinator:
                     for report in status["reports"]:
                         if report["kind"] == "step":
                             if "sample_ids" in report:
-                                recorder.step_samples(report["step"], dp_of[status["rank"]],
-                                                      layout.dims.dp, report["sample_ids"])
+                                recorder.step_samples(
+                                    report["step"],
+                                    dp_of[status["rank"]],
+                                    layout.dims.dp,
+                                    report["sample_ids"],
+                                )
                             if "loss" in report:
-                                recorder.step_metrics(report, layout.dims.world_size, layout.describe())
+                                recorder.step_metrics(
+                                    report, layout.dims.world_size, layout.describe()
+                                )
                                 bar.update(report["step"] - step)
                                 step = report["step"]
-                                bar.set_postfix(loss=f"{report['loss']:.4f}",
-                                                tok_s=f"{report['tokens_per_s']:.0f}")
+                                bar.set_postfix(
+                                    loss=f"{report['loss']:.4f}",
+                                    tok_s=f"{report['tokens_per_s']:.0f}",
+                                )
                         elif report["kind"] == "checkpoint" and status["rank"] == 0:
-                            recorder.event("checkpoint", step=report["step"], path=report["path"],
-                                           stall_s=report["stall_s"])
+                            recorder.event(
+                                "checkpoint",
+                                step=report["step"],
+                                path=report["path"],
+                                stall_s=report["stall_s"],
+                            )
                             for path in prune(self.checkpoint_root, self.cfg.checkpoint.keep_last):
                                 recorder.event("checkpoint_deleted", path=path)
                 failed = [s for s in statuses if s["state"] == "failed"]
@@ -240,5 +317,7 @@ def train(cfg: TrainConfig, **kwargs) -> RunResult:
 
 def replace_config(cfg: TrainConfig, **sections) -> TrainConfig:
     """A copy of cfg with some fields of some sections replaced (tests, API)."""
-    changes = {name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()}
+    changes = {
+        name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()
+    }
     return dataclasses.replace(cfg, **changes)

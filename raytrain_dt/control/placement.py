@@ -31,7 +31,9 @@ def ranks_per_node(world_size: int, node_capacities: list[int], tp: int) -> list
 
 def assign_ranks(reports: list[dict]) -> list[int]:
     """actor position -> rank: grouped by reported node id (sorted), then by actor index."""
-    order = sorted(range(len(reports)), key=lambda i: (reports[i]["node_id"], reports[i]["actor_index"]))
+    order = sorted(
+        range(len(reports)), key=lambda i: (reports[i]["node_id"], reports[i]["actor_index"])
+    )
     ranks = [0] * len(reports)
     for rank, position in enumerate(order):
         ranks[position] = rank

@@ -6,6 +6,7 @@ nodes propagate from `poll` at once, so failure detection does not wait for a de
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from raytrain_dt.control.placement import assign_ranks, ranks_per_node
@@ -15,7 +16,9 @@ log = logging.getLogger(__name__)
 
 
 class RankGroup:
-    def __init__(self, run_dir: str, resource: str, cpus_per_rank: float, runtime_env: dict | None = None):
+    def __init__(
+        self, run_dir: str, resource: str, cpus_per_rank: float, runtime_env: dict | None = None
+    ):
         self.run_dir = run_dir
         self.resource = resource
         self.cpus_per_rank = cpus_per_rank
@@ -83,7 +86,9 @@ class RankGroup:
     def master(self) -> tuple[str, int]:
         return self.placement[0]["ip"], self.placement[0]["port"]
 
-    def call(self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None):
+    def call(
+        self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None
+    ):
         """Call `method` on every rank concurrently (collectives need all ranks in) and wait."""
         import ray
 
@@ -100,10 +105,8 @@ class RankGroup:
         import ray
 
         for actor in self.actors:
-            try:
+            with contextlib.suppress(Exception):  # already dead
                 ray.kill(actor)
-            except Exception:  # already dead
-                pass
         if self.pg is not None:
             ray.util.remove_placement_group(self.pg)
         self.actors, self.pg = [], None

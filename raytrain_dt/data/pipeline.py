@@ -37,7 +37,9 @@ class DataSlice:
     def positions(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Global positions of this rank's rows [start, stop) (all rows by default)."""
         steps = -(-(self.num_rows if stop is None else stop) // (self.global_batch // self.dp))
-        every = rank_positions(self.consumed_samples, steps, self.global_batch, self.dp, self.dp_rank)
+        every = rank_positions(
+            self.consumed_samples, steps, self.global_batch, self.dp, self.dp_rank
+        )
         return every[start:stop]
 
 

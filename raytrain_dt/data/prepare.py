@@ -72,7 +72,10 @@ def prepare_dataset(
         rows = tokens[start : start + ROWS_PER_FILE]
         column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), seq_len)
         table = pa.table(
-            {"sample_id": pa.array(np.arange(start, start + len(rows), dtype=np.int64)), "tokens": column},
+            {
+                "sample_id": pa.array(np.arange(start, start + len(rows), dtype=np.int64)),
+                "tokens": column,
+            },
             schema=pa.schema([("sample_id", pa.int64()), ("tokens", list_type)]),
         )
         pq.write_table(table, out / f"part-{part:05d}.parquet")
@@ -85,5 +88,11 @@ def prepare_dataset(
         "num_files": len(files),
     }
     (out / META_FILE).write_text(json.dumps(meta, indent=2))
-    log.info("prepared %d sequences of %d tokens from %d files into %s", num_samples, seq_len, len(files), out)
+    log.info(
+        "prepared %d sequences of %d tokens from %d files into %s",
+        num_samples,
+        seq_len,
+        len(files),
+        out,
+    )
     return meta

@@ -68,14 +68,14 @@ class TokenDataset:
 
 def _check_schema(name: str, schema: pa.Schema, seq_len: int) -> None:
     if TOKENS_COLUMN not in schema.names:
-        raise DataError(
-            f"{name}: no '{TOKENS_COLUMN}' column (columns: {', '.join(schema.names)})"
-        )
+        raise DataError(f"{name}: no '{TOKENS_COLUMN}' column (columns: {', '.join(schema.names)})")
     column_type = schema.field(TOKENS_COLUMN).type
     if not (pa.types.is_list(column_type) or pa.types.is_fixed_size_list(column_type)) or not (
         pa.types.is_integer(column_type.value_type)
     ):
-        raise DataError(f"{name}: column '{TOKENS_COLUMN}' is {column_type}, expected a list of ints")
+        raise DataError(
+            f"{name}: column '{TOKENS_COLUMN}' is {column_type}, expected a list of ints"
+        )
     if pa.types.is_fixed_size_list(column_type) and column_type.list_size != seq_len:
         raise DataError(
             f"{name}: sequences have {column_type.list_size} tokens but data.seq_len={seq_len}"

@@ -75,8 +75,13 @@ class FSDP2Engine:
 
     def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult:
         t = self.cfg.trainer
-        lr = lr_at(step, lr=t.lr, warmup_steps=t.warmup_steps, total_steps=t.steps,
-                   min_lr_ratio=t.min_lr_ratio)
+        lr = lr_at(
+            step,
+            lr=t.lr,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.steps,
+            min_lr_ratio=t.min_lr_ratio,
+        )
         set_lr(self.optimizer, lr)
         accum = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
@@ -104,8 +109,12 @@ class FSDP2Engine:
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, checkpoint_id=checkpoint_dir)
-        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         return {

@@ -9,7 +9,9 @@ from __future__ import annotations
 import math
 
 
-def lr_at(step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+def lr_at(
+    step: int, *, lr: float, warmup_steps: int, total_steps: int, min_lr_ratio: float
+) -> float:
     """LR for optimizer step `step` (0-based)."""
     if warmup_steps > 0 and step < warmup_steps:
         return lr * (step + 1) / warmup_steps

@@ -91,7 +91,9 @@ class LlamaDecoder(nn.Module):
         super().__init__()
         self.shape = shape
         self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(shape) for i in range(shape.n_layers)})
+        self.layers = nn.ModuleDict(
+            {str(i): TransformerBlock(shape) for i in range(shape.n_layers)}
+        )
         self.norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.output = nn.Linear(shape.dim, shape.vocab_size, bias=False)
         if shape.tie_embeddings:
@@ -128,6 +130,4 @@ def build_model(shape: ModelShape, max_seq_len: int, seed: int) -> LlamaDecoder:
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy of predicting tokens[:, 1:] from logits[:, :-1], in fp32."""
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten().long()
-    )
+    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten().long())

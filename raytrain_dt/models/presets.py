@@ -26,7 +26,9 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.dim % self.n_heads:
-            raise ConfigError(f"model.dim: {self.dim} is not divisible by model.n_heads={self.n_heads}")
+            raise ConfigError(
+                f"model.dim: {self.dim} is not divisible by model.n_heads={self.n_heads}"
+            )
         if self.n_heads % self.n_kv_heads:
             raise ConfigError(
                 f"model.n_kv_heads: {self.n_kv_heads} does not divide model.n_heads={self.n_heads}"
@@ -55,8 +57,10 @@ class ModelShape:
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params plus the attention score/value matmuls."""
-        matmul_params = self.num_params - self.embedding_params + (
-            self.embedding_params if self.tie_embeddings else 0
+        matmul_params = (
+            self.num_params
+            - self.embedding_params
+            + (self.embedding_params if self.tie_embeddings else 0)
         )
         attention = 12 * self.n_layers * self.dim * seq_len
         return 6.0 * matmul_params + attention
@@ -66,17 +70,43 @@ PRESETS: dict[str, ModelShape] = {
     # ~0.4M parameters with a byte vocabulary: fast enough for CPU tests at 4 ranks.
     "tiny": ModelShape(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=176),
     # ~20M: a step takes about 100 ms on one CPU core at micro-batch 4 x 256 (benchmarks).
-    "small": ModelShape(dim=384, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=256, ffn_hidden=1024),
-    "llama-1b": ModelShape(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, vocab_size=128256,
-                           ffn_hidden=8192, tie_embeddings=True, rope_theta=500000.0),
-    "llama-7b": ModelShape(dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000,
-                           ffn_hidden=11008),
-    "llama-13b": ModelShape(dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000,
-                            ffn_hidden=13824),
-    "llama-70b": ModelShape(dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, vocab_size=128256,
-                            ffn_hidden=28672, rope_theta=500000.0),
-    "llama-405b": ModelShape(dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, vocab_size=128256,
-                             ffn_hidden=53248, rope_theta=500000.0),
+    "small": ModelShape(
+        dim=384, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=256, ffn_hidden=1024
+    ),
+    "llama-1b": ModelShape(
+        dim=2048,
+        n_layers=16,
+        n_heads=32,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=8192,
+        tie_embeddings=True,
+        rope_theta=500000.0,
+    ),
+    "llama-7b": ModelShape(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=32, vocab_size=32000, ffn_hidden=11008
+    ),
+    "llama-13b": ModelShape(
+        dim=5120, n_layers=40, n_heads=40, n_kv_heads=40, vocab_size=32000, ffn_hidden=13824
+    ),
+    "llama-70b": ModelShape(
+        dim=8192,
+        n_layers=80,
+        n_heads=64,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=28672,
+        rope_theta=500000.0,
+    ),
+    "llama-405b": ModelShape(
+        dim=16384,
+        n_layers=126,
+        n_heads=128,
+        n_kv_heads=8,
+        vocab_size=128256,
+        ffn_hidden=53248,
+        rope_theta=500000.0,
+    ),
 }
 
 

@@ -29,8 +29,11 @@ def truncate_after_step(path: Path, step: int) -> None:
     """Keep only records with `step` <= step (and records without a step)."""
     if not path.exists():
         return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("step", 0) <= step]
+    kept = [
+        line
+        for line in path.read_text().splitlines()
+        if line.strip() and json.loads(line).get("step", 0) <= step
+    ]
     path.write_text("".join(line + "\n" for line in kept))
 
 
@@ -57,8 +60,19 @@ class RunRecorder:
         self.events.write({"time": time.time(), "event": kind, **fields})
 
     def step_metrics(self, record: dict, world_size: int, layout: str) -> None:
-        out = {k: record[k] for k in ("step", "loss", "lr", "grad_norm", "tokens_per_s",
-                                       "step_time_s", "data_wait_s", "consumed_samples")}
+        out = {
+            k: record[k]
+            for k in (
+                "step",
+                "loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s",
+                "step_time_s",
+                "data_wait_s",
+                "consumed_samples",
+            )
+        }
         out.update(world_size=world_size, layout=layout, time=time.time())
         self.metrics.write(out)
         self.last_metrics = out

@@ -6,7 +6,10 @@ from raytrain_dt.errors import ConfigError
 
 
 def split_global_batch(
-    global_batch: int, dp: int, micro_batch: int | None = None, grad_accum: int | None = None,
+    global_batch: int,
+    dp: int,
+    micro_batch: int | None = None,
+    grad_accum: int | None = None,
     max_micro_batch: int = 8,
 ) -> tuple[int, int]:
     """(micro_batch, grad_accum) for a DP degree; derives whichever is null.
@@ -15,7 +18,9 @@ def split_global_batch(
     per-rank batch, so accumulation is as small as memory allows.
     """
     if global_batch % dp:
-        raise ConfigError(f"trainer.global_batch: {global_batch} is not divisible by the DP degree {dp}")
+        raise ConfigError(
+            f"trainer.global_batch: {global_batch} is not divisible by the DP degree {dp}"
+        )
     per_rank = global_batch // dp
     if micro_batch and grad_accum:
         if micro_batch * grad_accum != per_rank:

@@ -23,7 +23,11 @@ class DeviceSpec:
         return self.param_dtype != torch.float32
 
     def device(self, local_index: int = 0) -> torch.device:
-        return torch.device(self.device_type, local_index) if self.device_type == "cuda" else torch.device("cpu")
+        return (
+            torch.device(self.device_type, local_index)
+            if self.device_type == "cuda"
+            else torch.device("cpu")
+        )
 
 
 def select_device(precision: str = "auto") -> DeviceSpec:

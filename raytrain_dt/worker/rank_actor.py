@@ -118,8 +118,13 @@ class RankWorker:
         first = next(batches, None)
         self._batches = itertools.chain([first] if first is not None else [], batches)
         timings["data_start_s"] = time.perf_counter() - t2
-        log.info("rank %d/%d ready: %s (%s)", spec.rank, spec.world_size,
-                 spec.layout.describe(), json.dumps(timings))
+        log.info(
+            "rank %d/%d ready: %s (%s)",
+            spec.rank,
+            spec.world_size,
+            spec.layout.describe(),
+            json.dumps(timings),
+        )
         return timings
 
     def start(self) -> None:
@@ -158,18 +163,27 @@ class RankWorker:
         if spec.rank == 0:
             # dcp.save returns on rank 0 only after every rank's shards and the metadata are
             # written, so this record marks a complete checkpoint.
-            write_train_state(path, {
+            write_train_state(
+                path,
+                {
+                    "step": step,
+                    "consumed_samples": consumed,
+                    "global_batch": spec.layout.global_batch,
+                    "layout": spec.layout.as_dict(),
+                    "engine": spec.cfg.engine.name,
+                    "model_shape": spec.shape.__dict__,
+                    "torch_version": torch.__version__,
+                    "saved_at": time.time(),
+                },
+            )
+        self._reports.put(
+            {
+                "kind": "checkpoint",
                 "step": step,
-                "consumed_samples": consumed,
-                "global_batch": spec.layout.global_batch,
-                "layout": spec.layout.as_dict(),
-                "engine": spec.cfg.engine.name,
-                "model_shape": spec.shape.__dict__,
-                "torch_version": torch.__version__,
-                "saved_at": time.time(),
-            })
-        self._reports.put({"kind": "checkpoint", "step": step, "path": str(path),
-                           "stall_s": time.perf_counter() - started})
+                "path": str(path),
+                "stall_s": time.perf_counter() - started,
+            }
+        )
 
     def poll(self) -> dict:
         reports = []
@@ -184,8 +198,12 @@ class RankWorker:
             state = "done"
         else:
             state = "running"
-        return {"rank": self.spec.rank if self.spec else None, "state": state,
-                "reports": reports, "error": self._error}
+        return {
+            "rank": self.spec.rank if self.spec else None,
+            "state": state,
+            "reports": reports,
+            "error": self._error,
+        }
 
     def full_state_dict(self) -> dict:
         """Gathered parameters (collective; every rank must be asked). For tests and export."""

@@ -48,8 +48,9 @@ def test_resume_equals_uninterrupted(make_config, tmp_path):
 
     # Lose everything after step 4, as a crash between the two saves would.
     shutil.rmtree(run_dir / "checkpoints" / "step_8")
-    resumed_cfg = make_config("trainer.steps=8", "checkpoint.every_steps=4", "resume=true",
-                              run_dir=run_dir)
+    resumed_cfg = make_config(
+        "trainer.steps=8", "checkpoint.every_steps=4", "resume=true", run_dir=run_dir
+    )
     result = train(resumed_cfg, show_progress=False)
     resumed = read_jsonl(run_dir / "metrics.jsonl")
     assert result.final_step == 8

@@ -6,6 +6,7 @@ the cluster it started (`ray stop` would stop every Ray on the machine, the shar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -35,36 +36,60 @@ def head_node():
     token_path = Path(temp_dir) / "auth_token"
     token_path.write_text(secrets.token_hex(32))
     # The documented way for a client to reach a token-auth cluster: the same mode and token.
-    env = {**os.environ, "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN_PATH": str(token_path),
-           "RAY_ADDRESS": ""}
+    env = {
+        **os.environ,
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token_path),
+        "RAY_ADDRESS": "",
+    }
     port, dash = _free_port(), _free_port()
     head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={port}",
-         "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}", "--num-cpus=4",
-         '--resources={"accelerator": 2}', f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-        env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        [
+            RAY,
+            "start",
+            "--head",
+            "--block",
+            "--node-ip-address=127.0.0.1",
+            f"--port={port}",
+            "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}",
+            "--num-cpus=4",
+            '--resources={"accelerator": 2}',
+            f"--temp-dir={temp_dir}",
+            "--disable-usage-stats",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
     )
     address = f"http://127.0.0.1:{dash}"
     deadline = time.time() + 60
-    while subprocess.run([RAY, "job", "list", "--address", address], env=env,
-                         capture_output=True).returncode != 0:
+    while (
+        subprocess.run(
+            [RAY, "job", "list", "--address", address], env=env, capture_output=True
+        ).returncode
+        != 0
+    ):
         assert head.poll() is None, "ray start --head exited"
         assert time.time() < deadline, "dashboard did not come up within 60 s"
         time.sleep(1)
     yield address, env
     os.killpg(head.pid, signal.SIGTERM)
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         head.wait(5)
-    except subprocess.TimeoutExpired:
-        pass
     # Whatever ignored SIGTERM (raylet children, dashboard agents) goes now.
     os.killpg(head.pid, signal.SIGKILL)
     head.wait()
 
 
 def _job_status(address: str, env: dict, job_id: str) -> str:
-    result = subprocess.run([RAY, "job", "status", "--address", address, job_id], env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [RAY, "job", "status", "--address", address, job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     out = (result.stdout + result.stderr).lower()
     # The CLI prints e.g. "Job 'x' succeeded" or "Status for job 'x': RUNNING".
     for status in ("succeeded", "failed", "stopped", "running", "pending"):
@@ -79,19 +104,41 @@ def test_ray_job_submit_trains_and_writes_the_run_dir(head_node, token_data, tmp
     job_id = f"rtdt-{secrets.token_hex(4)}"
     runtime_env = json.dumps({"excludes": [".venv", "runs", "data", ".git"]})
     submit = subprocess.run(
-        [RAY, "job", "submit", "--address", address, "--submission-id", job_id, "--no-wait",
-         "--working-dir", str(REPO), "--runtime-env-json", runtime_env, "--",
-         sys.executable, "jobs/pretrain.py", "conf/test.yaml", f"data.path={token_data}",
-         f"run.dir={run_dir}", "trainer.steps=4", "checkpoint.every_steps=2"],
-        env=env, capture_output=True, text=True, timeout=120,
+        [
+            RAY,
+            "job",
+            "submit",
+            "--address",
+            address,
+            "--submission-id",
+            job_id,
+            "--no-wait",
+            "--working-dir",
+            str(REPO),
+            "--runtime-env-json",
+            runtime_env,
+            "--",
+            sys.executable,
+            "jobs/pretrain.py",
+            "conf/test.yaml",
+            f"data.path={token_data}",
+            f"run.dir={run_dir}",
+            "trainer.steps=4",
+            "checkpoint.every_steps=2",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert submit.returncode == 0, submit.stderr
     deadline = time.time() + 180
     while (status := _job_status(address, env, job_id)) in ("PENDING", "RUNNING", "UNKNOWN"):
         assert time.time() < deadline, f"job still {status} after 180 s"
         time.sleep(2)
-    logs = subprocess.run([RAY, "job", "logs", "--address", address, job_id], env=env,
-                          capture_output=True, text=True).stdout
+    logs = subprocess.run(
+        [RAY, "job", "logs", "--address", address, job_id], env=env, capture_output=True, text=True
+    ).stdout
     assert status == "SUCCEEDED", logs[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
@@ -104,7 +151,8 @@ def test_job_client_without_the_token_is_refused(head_node):
     address, env = head_node
     no_token = {k: v for k, v in env.items() if not k.startswith("RAY_AUTH")}
     no_token["HOME"] = tempfile.mkdtemp()  # no ~/.ray/auth_token to fall back on
-    result = subprocess.run([RAY, "job", "list", "--address", address], env=no_token,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [RAY, "job", "list", "--address", address], env=no_token, capture_output=True, text=True
+    )
     assert result.returncode != 0
     assert "auth" in (result.stdout + result.stderr).lower()

@@ -27,7 +27,10 @@ def test_recipe_and_overrides_merge():
         ("trainer.steps=0", "trainer.steps: must be > 0, got 0"),
         ("trainer.lr=-1", "trainer.lr: must be >= 0, got -1.0"),
         ("engine.name=megatron", "engine.name: 'megatron' is not one of fsdp2, deepspeed"),
-        ("parallel.pp_schedule=zb", "parallel.pp_schedule: 'zb' is not one of gpipe, 1f1b, interleaved"),
+        (
+            "parallel.pp_schedule=zb",
+            "parallel.pp_schedule: 'zb' is not one of gpipe, 1f1b, interleaved",
+        ),
         ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio: must be in [0, 1], got 2.0"),
         ("trainer.warmup_steps=99", "trainer.warmup_steps: 99 exceeds trainer.steps=30"),
         ("data.seq_len=1", "data.seq_len: must be >= 2, got 1"),

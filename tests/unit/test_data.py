@@ -43,8 +43,8 @@ def test_global_order_is_a_permutation_per_epoch_and_independent_of_dp():
     positions = np.arange(3 * n)
     ids = sample_ids(positions, n, seed=7)
     for epoch in range(3):
-        assert sorted(ids[epoch * n:(epoch + 1) * n]) == list(range(n))
-    assert not np.array_equal(ids[:n], ids[n:2 * n])
+        assert sorted(ids[epoch * n : (epoch + 1) * n]) == list(range(n))
+    assert not np.array_equal(ids[:n], ids[n : 2 * n])
     # Any DP degree that divides the batch reads the same positions for the step, in order.
     for dp in (1, 2, 3, 4, 6):
         per_step = [rank_positions(24, 5, g, dp, r).reshape(5, -1) for r in range(dp)]
@@ -63,8 +63,10 @@ def test_missing_empty_and_wrong_schema_datasets_give_one_line(tmp_path):
     with pytest.raises(DataError, match=r"no 'tokens' column \(columns: text\)"):
         TokenDataset.open(tmp_path / "wrong", 16)
     (tmp_path / "zero").mkdir()
-    pq.write_table(pa.table({"tokens": pa.array([], pa.list_(pa.int32(), 16))}),
-                   tmp_path / "zero" / "x.parquet")
+    pq.write_table(
+        pa.table({"tokens": pa.array([], pa.list_(pa.int32(), 16))}),
+        tmp_path / "zero" / "x.parquet",
+    )
     with pytest.raises(DataError, match="dataset is empty"):
         TokenDataset.open(tmp_path / "zero", 16)
     (tmp_path / "t.txt").write_text("x" * 100)

@@ -19,7 +19,9 @@ def test_logits_shape_and_initial_loss_near_uniform():
     logits = model(tokens)
     assert logits.shape == (3, 32, shape.vocab_size)
     # Small init: the first loss is close to log(vocab).
-    assert next_token_loss(logits, tokens).item() == pytest.approx(torch.log(torch.tensor(256.0)).item(), abs=0.1)
+    assert next_token_loss(logits, tokens).item() == pytest.approx(
+        torch.log(torch.tensor(256.0)).item(), abs=0.1
+    )
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -48,9 +50,16 @@ def test_init_is_deterministic_in_the_seed():
     assert not torch.equal(a["layers.0.attention.wq.weight"], c["layers.0.attention.wq.weight"])
 
 
-@pytest.mark.parametrize(("preset", "billions"), [("llama-1b", 1.24), ("llama-7b", 6.74),
-                                                  ("llama-13b", 13.0), ("llama-70b", 70.6),
-                                                  ("llama-405b", 405.9)])
+@pytest.mark.parametrize(
+    ("preset", "billions"),
+    [
+        ("llama-1b", 1.24),
+        ("llama-7b", 6.74),
+        ("llama-13b", 13.0),
+        ("llama-70b", 70.6),
+        ("llama-405b", 405.9),
+    ],
+)
 def test_large_presets_have_their_published_sizes(preset, billions):
     assert PRESETS[preset].num_params / 1e9 == pytest.approx(billions, rel=0.01)
 

@@ -1,0 +1,35 @@
+# Set-up and entry points. `make demo` and `make test` each install everything they need into
+# .venv first (torch before deepspeed, so deepspeed's `torch>=2.0` does not pull a CUDA build).
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# GPU users: install the CUDA torch build for your driver instead, e.g.
+#   make install TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: install demo test lint bench clean
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(TORCH_SPEC)
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/raytrain-dt train conf/tiny.yaml
+
+test: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) -m pytest -q
+
+lint: install
+	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .
+
+bench: install
+	$(PY) bench/bench_planner.py
+
+clean:
+	rm -rf $(VENV) runs data
