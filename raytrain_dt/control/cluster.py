@@ -7,6 +7,7 @@ accelerator resource, so placement groups, node ids and node failures behave as 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from collections.abc import Iterator
@@ -14,6 +15,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from raytrain_dt.config.schema import ClusterConfig
+from raytrain_dt.topology.layout import Topology
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +27,7 @@ SIMULATED_ACCELERATOR = "accelerator"
 class NodeInfo:
     node_id: str
     accelerators: int
+    memory_bytes: float = 0.0  # Ray's `memory` resource of the node
 
 
 @dataclass
@@ -134,5 +137,30 @@ def alive_nodes(resource: str) -> list[NodeInfo]:
     for node in ray.nodes():
         count = int(node.get("Resources", {}).get(resource, 0)) if node.get("Alive") else 0
         if count > 0:
-            nodes.append(NodeInfo(node["NodeID"], count))
+            nodes.append(NodeInfo(node["NodeID"], count, node["Resources"].get("memory", 0.0)))
     return sorted(nodes, key=lambda n: n.node_id)
+
+
+# A CPU core's fp32 matmul rate is of this order; only the ratios between layouts matter.
+CPU_PEAK_FLOPS = 1e11
+
+
+def planning_topology(
+    cluster: ClusterConfig, resource: str, nodes: list[NodeInfo], num_ranks: int
+) -> Topology:
+    """The Topology the planner sees: the ranks this run uses, on the nodes that hold them."""
+    per_node = min(max(n.accelerators for n in nodes), num_ranks)
+    num_nodes = max(1, num_ranks // per_node)
+    on_gpu = resource == "GPU"
+    defaults = Topology(num_nodes=num_nodes, accelerators_per_node=per_node)
+    if cluster.memory_per_accelerator_gb:
+        memory = cluster.memory_per_accelerator_gb * 1e9
+    elif on_gpu:
+        memory = defaults.memory_per_accelerator
+    else:
+        memory = min(n.memory_bytes / n.accelerators for n in nodes) or 8e9
+    if cluster.peak_tflops:
+        peak = cluster.peak_tflops * 1e12
+    else:
+        peak = defaults.peak_flops if on_gpu else CPU_PEAK_FLOPS
+    return dataclasses.replace(defaults, memory_per_accelerator=memory, peak_flops=peak)

@@ -19,7 +19,13 @@ from tqdm import tqdm
 from raytrain_dt.checkpoint.layout import CheckpointRef, latest_checkpoint, list_checkpoints, prune
 from raytrain_dt.config.load import to_yaml
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.control.cluster import ClusterHandle, alive_nodes, connect
+from raytrain_dt.control.cluster import (
+    ClusterHandle,
+    NodeInfo,
+    alive_nodes,
+    connect,
+    planning_topology,
+)
 from raytrain_dt.control.rank_group import RankGroup
 from raytrain_dt.data.pipeline import DataSlice
 from raytrain_dt.data.prepare import prepare_dataset
@@ -28,9 +34,9 @@ from raytrain_dt.errors import ConfigError, UserError
 from raytrain_dt.models.presets import ModelShape, resolve_shape
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
-from raytrain_dt.topology.batch import split_global_batch
-from raytrain_dt.topology.layout import Layout
-from raytrain_dt.topology.parallel_dims import ParallelDims
+from raytrain_dt.topology.layout import Layout, Topology
+from raytrain_dt.topology.planner import LayoutPins, Plan, plan
+from raytrain_dt.worker.device import resolve_precision
 from raytrain_dt.worker.spec import RankSpec
 
 log = logging.getLogger(__name__)
@@ -80,42 +86,17 @@ def open_dataset(cfg: TrainConfig) -> TokenDataset:
     return TokenDataset.open(path, cfg.data.seq_len)
 
 
-def choose_layout(cfg: TrainConfig, world_size: int) -> Layout:
-    """The layout for `world_size` ranks from the config's pins (pure DP where unpinned)."""
-    p = cfg.parallel
-    tp, pp = p.tp or 1, p.pp or 1
-    if world_size % (tp * pp):
-        raise ConfigError(
-            f"parallel.tp x parallel.pp = {tp * pp} does not divide {world_size} ranks"
-        )
-    dp = world_size // (tp * pp)
-    zero = 3 if cfg.engine.zero_stage is None else cfg.engine.zero_stage
-    if p.dp_replicate or p.dp_shard:
-        dp_replicate = p.dp_replicate or dp // (p.dp_shard or 1)
-        dp_shard = p.dp_shard or dp // dp_replicate
-    elif zero == 0:
-        dp_replicate, dp_shard = dp, 1
-    else:
-        dp_replicate, dp_shard = 1, dp
-    try:
-        dims = ParallelDims(
-            world_size=world_size, pp=pp, tp=tp, dp_replicate=dp_replicate, dp_shard=dp_shard
-        )
-    except ValueError as exc:
-        raise ConfigError(f"parallel: {exc}") from exc
-    micro, accum = split_global_batch(
-        cfg.trainer.global_batch, dims.dp, cfg.trainer.micro_batch, cfg.trainer.grad_accum
-    )
-    return Layout(
-        dims=dims,
-        zero_stage=zero,
-        micro_batch=micro,
-        grad_accum=accum,
-        activation_checkpointing=cfg.trainer.activation_checkpointing,
-        sequence_parallel=p.sequence_parallel,
-        offload_optimizer=cfg.engine.offload_optimizer,
-        pp_schedule=p.pp_schedule,
-        virtual_stages=p.virtual_stages,
+def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gpu: bool) -> Plan:
+    """Plan the layout for this cluster; whatever the config pins is honoured and validated."""
+    # Pipeline parallelism is not run by the engines yet, so the planner may not choose it.
+    pins = dataclasses.replace(LayoutPins.from_config(cfg), pp=1)
+    return plan(
+        shape,
+        topology,
+        global_batch=cfg.trainer.global_batch,
+        seq_len=cfg.data.seq_len,
+        pins=pins,
+        precision=resolve_precision(cfg.engine.precision, on_gpu),
     )
 
 
@@ -146,17 +127,16 @@ class Coordinator:
         resume = latest_checkpoint(self.checkpoint_root) if self.cfg.resume else None
         return dataset, resume
 
-    def _world_size(self, handle: ClusterHandle) -> tuple[int, list[int]]:
+    def _world_size(self, handle: ClusterHandle) -> tuple[int, list[NodeInfo]]:
         nodes = alive_nodes(handle.accelerator_resource)
-        capacities = [n.accelerators for n in nodes]
-        available = sum(capacities)
+        available = sum(n.accelerators for n in nodes)
         wanted = self.cfg.cluster.num_ranks or available
         if wanted > available:
             raise UserError(
                 f"cluster.num_ranks: {wanted} ranks requested but the cluster has {available} "
                 f"'{handle.accelerator_resource}' on {len(nodes)} nodes"
             )
-        return wanted, capacities
+        return wanted, nodes
 
     def _rank_specs(
         self, group: RankGroup, layout: Layout, dataset: TokenDataset, resume: CheckpointRef | None
@@ -207,14 +187,22 @@ class Coordinator:
     def _train(
         self, handle: ClusterHandle, dataset: TokenDataset, resume: CheckpointRef | None
     ) -> RunResult:
-        world_size, capacities = self._world_size(handle)
-        layout = choose_layout(self.cfg, world_size)
+        world_size, nodes = self._world_size(handle)
+        topology = planning_topology(
+            self.cfg.cluster, handle.accelerator_resource, nodes, world_size
+        )
+        planned = choose_layout(
+            self.cfg, self.shape, topology, handle.accelerator_resource == "GPU"
+        )
+        layout = planned.best.layout
+        (self.run_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
         (self.run_dir / "layout.json").write_text(json.dumps(layout.as_dict(), indent=2))
         log.info(
-            "layout: %s on %d ranks (%s); run dir %s",
+            "layout: %s on %d ranks (%s): %s; run dir %s",
             layout.describe(),
-            world_size,
+            layout.dims.world_size,
             handle.mode,
+            planned.best.reason,
             self.run_dir,
         )
         recorder = RunRecorder(self.run_dir, resume.step if resume else 0)
@@ -226,8 +214,12 @@ class Coordinator:
         )
         try:
             group.start(
-                world_size, capacities, layout.dims.tp, self.cfg.cluster.placement_timeout_s
+                layout.dims.world_size,
+                [n.accelerators for n in nodes],
+                layout.dims.tp,
+                self.cfg.cluster.placement_timeout_s,
             )
+            recorder.event("placed", node_ids=[p["node_id"] for p in group.placement])
             specs = self._rank_specs(group, layout, dataset, resume)
             timings = group.call("setup", [(s,) for s in specs])
             group.call("start")

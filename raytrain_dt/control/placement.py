@@ -18,7 +18,8 @@ def ranks_per_node(world_size: int, node_capacities: list[int], tp: int) -> list
     for i in order:
         if remaining == 0:
             break
-        take = min(node_capacities[i] - node_capacities[i] % tp, remaining)
+        take = min(node_capacities[i], remaining)
+        take -= take % tp  # a TP group never straddles two nodes
         if take > 0:
             counts.append(take)
             remaining -= take

@@ -22,6 +22,7 @@ from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
 from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.parallel.tensor_parallel import apply_tensor_parallel
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.worker.device import DeviceSpec
 
@@ -46,6 +47,8 @@ class FSDP2Engine:
         self.layout = layout
         self.mesh = mesh
         self.device = device
+        if layout.dims.tp_enabled:
+            apply_tensor_parallel(model, mesh["tp"])
         if layout.activation_checkpointing:
             apply_activation_checkpointing(model)
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
@@ -126,9 +129,15 @@ class FSDP2Engine:
 def clip_gradients(parameters, max_norm: float) -> float:
     """Total gradient norm over all shards; clips in place when max_norm > 0."""
     with_grads = [p for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm([p.grad for p in with_grads], norm_type=2.0, foreach=True)
-    if isinstance(total, DTensor):
-        total = total.full_tensor()
+    # Norms are taken per mesh (DTensor ops cannot mix meshes) and combined as plain tensors.
+    by_mesh: dict = {}
+    for p in with_grads:
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+    partial_norms = []
+    for grads in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
+        partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(partial_norms))
     if max_norm > 0:
         # Takes parameters (it scales p.grad), with the norm over every shard.
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=True)

@@ -51,12 +51,13 @@ class LayoutPins:
         flag = {
             "activation_checkpointing": t.activation_checkpointing,
             "offload_optimizer": e.offload_optimizer,
-            "sequence_parallel": p.sequence_parallel,
         }
         return cls(
             tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
             zero_stage=e.zero_stage, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
             pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages,
+            # Pinned both ways: a layout may only claim sequence parallelism the engine applies.
+            sequence_parallel=p.sequence_parallel,
             **{k: True if v else None for k, v in flag.items()},
         )  # fmt: skip
 

@@ -30,11 +30,20 @@ class DeviceSpec:
         )
 
 
+def resolve_precision(precision: str, on_gpu: bool) -> str:
+    """'auto' -> bf16 on GPUs, fp32 on CPUs; an explicit 'fp32' or 'bf16' is honoured.
+
+    The planner calls this on the driver (sizing memory), the ranks via `select_device`.
+    """
+    if precision != "auto":
+        return precision
+    return "bf16" if on_gpu else "fp32"
+
+
 def select_device(precision: str = "auto") -> DeviceSpec:
-    if torch.cuda.is_available():
-        dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    on_gpu = torch.cuda.is_available()
+    dtype = torch.bfloat16 if resolve_precision(precision, on_gpu) == "bf16" else torch.float32
+    if on_gpu:
         return DeviceSpec("cuda", "nccl", dtype, torch.float32)
-    if precision == "bf16":
-        # bf16 on CPU is legal but slow and not what CPU tests compare against; honour the pin.
-        return DeviceSpec("cpu", "gloo", torch.bfloat16, torch.float32)
-    return DeviceSpec("cpu", "gloo", torch.float32, torch.float32)
+    # bf16 on CPU is legal but slow and not what CPU tests compare against; honoured if pinned.
+    return DeviceSpec("cpu", "gloo", dtype, torch.float32)

@@ -15,10 +15,14 @@ from raytrain_dt.observe.metrics import read_jsonl
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_two_rank_fsdp2_equals_single_process(make_config):
-    cfg = make_config("trainer.grad_accum=2", "checkpoint.every_steps=5")
+@pytest.mark.parametrize("zero_stage", [0, 3], ids=["replicate", "fsdp-full"])
+def test_two_rank_fsdp2_equals_single_process(make_config, zero_stage):
+    cfg = make_config(
+        "trainer.grad_accum=2", "checkpoint.every_steps=5", f"engine.zero_stage={zero_stage}"
+    )
     result = train(cfg, show_progress=False)
     assert result.layout.dims.dp == 2 and result.layout.grad_accum == 2
+    assert result.layout.zero_stage == zero_stage
     metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
     ref_losses, ref_params = reference_run(cfg, cfg.trainer.steps)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]

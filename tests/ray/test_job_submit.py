@@ -22,6 +22,13 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 RAY = str(Path(sys.executable).parent / "ray")
+AGENT_PORT_FLAGS = (
+    "dashboard-agent-listen-port",
+    "dashboard-agent-grpc-port",
+    "metrics-export-port",
+    "runtime-env-agent-port",
+    "ray-client-server-port",
+)
 
 
 def _free_port() -> int:
@@ -57,6 +64,8 @@ def head_node():
             '--resources={"accelerator": 2}',
             f"--temp-dir={temp_dir}",
             "--disable-usage-stats",
+            # Ray's fixed default ports (52365, ...) are taken by the session's shared cluster.
+            *(f"--{flag}={_free_port()}" for flag in AGENT_PORT_FLAGS),
         ],
         env=env,
         stdout=subprocess.DEVNULL,
@@ -103,34 +112,19 @@ def test_ray_job_submit_trains_and_writes_the_run_dir(head_node, token_data, tmp
     run_dir = tmp_path / "job_run"
     job_id = f"rtdt-{secrets.token_hex(4)}"
     runtime_env = json.dumps({"excludes": [".venv", "runs", "data", ".git"]})
-    submit = subprocess.run(
-        [
-            RAY,
-            "job",
-            "submit",
-            "--address",
-            address,
-            "--submission-id",
-            job_id,
-            "--no-wait",
-            "--working-dir",
-            str(REPO),
-            "--runtime-env-json",
-            runtime_env,
-            "--",
-            sys.executable,
-            "jobs/pretrain.py",
-            "conf/test.yaml",
-            f"data.path={token_data}",
-            f"run.dir={run_dir}",
-            "trainer.steps=4",
-            "checkpoint.every_steps=2",
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    command = [
+        RAY, "job", "submit", "--address", address, "--submission-id", job_id, "--no-wait",
+        "--working-dir", str(REPO), "--runtime-env-json", runtime_env, "--",
+        sys.executable, "jobs/pretrain.py", "conf/test.yaml", f"data.path={token_data}",
+        f"run.dir={run_dir}", "trainer.steps=4", "checkpoint.every_steps=2",
+    ]  # fmt: skip
+    # The dashboard answers before its job agent has registered; Ray says to try again.
+    deadline = time.time() + 60
+    while True:
+        submit = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+        if "No available agent" not in submit.stderr or time.time() > deadline:
+            break
+        time.sleep(2)
     assert submit.returncode == 0, submit.stderr
     deadline = time.time() + 180
     while (status := _job_status(address, env, job_id)) in ("PENDING", "RUNNING", "UNKNOWN"):

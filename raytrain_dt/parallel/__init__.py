@@ -1,0 +1,1 @@
+"""Model-parallel plans (tensor parallel) for the models in `raytrain_dt.models`."""

@@ -1,0 +1,65 @@
+"""Rank groups on simulated nodes: TP groups never span nodes; a dp=2 x tp=2 run across two
+nodes equals the single-process reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from reference import reference_run
+
+from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
+from raytrain_dt.control.coordinator import train
+from raytrain_dt.control.placement import tp_groups_on_one_node
+from raytrain_dt.control.rank_group import RankGroup
+from raytrain_dt.observe.metrics import read_jsonl
+from raytrain_dt.topology.parallel_dims import ParallelDims
+
+
+def _placed_nodes(tmp_path, dims: ParallelDims) -> list[str]:
+    capacities = [n.accelerators for n in alive_nodes(SIMULATED_ACCELERATOR)]
+    group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
+    try:
+        group.start(dims.world_size, capacities, dims.tp, timeout_s=60)
+        return [p["node_id"] for p in group.placement]
+    finally:
+        group.shutdown()
+
+
+@pytest.mark.parametrize(
+    "dims",
+    [ParallelDims(world_size=4, dp_shard=2, tp=2), ParallelDims(world_size=4, dp_shard=4)],
+    ids=["dp2xtp2", "dp4"],
+)
+def test_two_nodes_tp_groups_stay_on_one_node(ray_cluster, tmp_path, dims):
+    nodes = _placed_nodes(tmp_path, dims)
+    assert len(set(nodes)) == 2
+    assert nodes == sorted(nodes)  # ranks follow node ids
+    assert tp_groups_on_one_node(dims, nodes)
+
+
+def test_three_nodes_tp_groups_stay_on_one_node(ray_cluster, tmp_path):
+    extra = ray_cluster.add_node(num_cpus=4, resources={SIMULATED_ACCELERATOR: 2})
+    try:
+        ray_cluster.wait_for_nodes()
+        dims = ParallelDims(world_size=6, dp_shard=3, tp=2)
+        nodes = _placed_nodes(tmp_path, dims)
+        assert len(set(nodes)) == 3
+        assert tp_groups_on_one_node(dims, nodes)
+    finally:
+        ray_cluster.remove_node(extra)
+
+
+def test_dp2_tp2_on_two_nodes_equals_single_process(ray_cluster, make_config):
+    cfg = make_config("cluster.num_ranks=4", "parallel.tp=2", "engine.zero_stage=3")
+    result = train(cfg, show_progress=False)
+    assert result.layout.dims == ParallelDims(world_size=4, dp_shard=2, tp=2)
+    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
+    ref_losses, _ = reference_run(cfg, cfg.trainer.steps)
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
+    placed = next(e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["event"] == "placed")
+    assert len(set(placed["node_ids"])) == 2
+    assert tp_groups_on_one_node(result.layout.dims, placed["node_ids"])
+    plan = json.loads((Path(result.run_dir) / "plan.json").read_text())
+    assert plan["layout"]["tp"] == 2 and plan["reason"]
