@@ -117,7 +117,9 @@ def test_pins_from_config() -> None:
     pins = LayoutPins.from_config(cfg)
     assert (pins.tp, pins.pp, pins.zero_stage, pins.micro_batch) == (2, None, 3, 4)
     assert pins.activation_checkpointing is True
-    assert pins.offload_optimizer is None and pins.sequence_parallel is None  # False = free
+    assert pins.offload_optimizer is None  # False leaves the choice to the planner
+    # Sequence parallel is pinned both ways: a layout claims it only where the engine applies it.
+    assert pins.sequence_parallel is False
 
 
 @pytest.mark.parametrize(
