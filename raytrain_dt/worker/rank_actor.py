@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from raytrain_dt.checkpoint.layout import checkpoint_dir, write_train_state
 from raytrain_dt.data.pipeline import iterate_micro_batches
-from raytrain_dt.engines.fsdp2 import FSDP2Engine
+from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.models.llama import build_model
 from raytrain_dt.worker.device import select_device
 from raytrain_dt.worker.spec import RankSpec
@@ -103,7 +103,7 @@ class RankWorker:
 
         t1 = time.perf_counter()
         model = build_model(spec.shape, spec.cfg.data.seq_len, spec.cfg.run.seed)
-        self.engine = FSDP2Engine(model, spec.cfg, spec.layout, mesh, device)
+        self.engine = build_engine(model, spec.cfg, spec.layout, mesh, device)
         if spec.resume_from:
             self.engine.load(spec.resume_from)
             rng_file = Path(spec.resume_from) / "rng" / f"rank_{spec.rank}.pt"

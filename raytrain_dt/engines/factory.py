@@ -1,0 +1,21 @@
+"""Engine selection: the one place that maps `engine.name` and the layout to an Engine."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.engines.base import Engine
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.worker.device import DeviceSpec
+
+
+def build_engine(
+    model: nn.Module, cfg: TrainConfig, layout: Layout, mesh: DeviceMesh, device: DeviceSpec
+) -> Engine:
+    if cfg.engine.name == "fsdp2":
+        from raytrain_dt.engines.fsdp2 import FSDP2Engine
+
+        return FSDP2Engine(model, cfg, layout, mesh, device)
+    raise ValueError(f"engine.name: {cfg.engine.name!r} has no engine")
