@@ -30,6 +30,7 @@ lint: install
 
 bench: install
 	$(PY) bench/bench_planner.py
+	$(PY) bench/render.py
 
 clean:
 	rm -rf $(VENV) runs data
