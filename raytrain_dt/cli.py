@@ -11,7 +11,9 @@ import logging
 import sys
 import time
 
+from raytrain_dt.checkpoint.cli import add_ckpt_arguments
 from raytrain_dt.errors import UserError
+from raytrain_dt.topology.plan_cli import add_plan_arguments
 
 
 def _train(args: argparse.Namespace) -> int:
@@ -68,14 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None)
     p.set_defaults(func=_prepare_data)
 
-    try:
-        from raytrain_dt.topology.plan_cli import add_plan_arguments
-    except ImportError:  # planner not installed in this build
-        add_plan_arguments = None
-    if add_plan_arguments is not None:
-        p = sub.add_parser("plan", help="plan a parallel layout for a model on a cluster")
-        add_plan_arguments(p)
-        p.set_defaults(func=_plan)
+    p = sub.add_parser("plan", help="plan a parallel layout for a model on a cluster")
+    add_plan_arguments(p)
+    p.set_defaults(func=_plan)
+
+    p = sub.add_parser("ckpt", help="list, inspect and export checkpoints")
+    add_ckpt_arguments(p)
     return parser
 
 

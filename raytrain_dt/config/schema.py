@@ -118,7 +118,12 @@ class CheckpointConfig:
     every_steps: int = 10
     # Null means run.dir/checkpoints.
     dir: str | None = None
+    # Retention: the newest `keep_last` committed checkpoints, plus every step that is a
+    # multiple of `keep_every` (0: none). Two by default, so a damaged newest has a fallback.
     keep_last: int = 2
+    keep_every: int = 0
+    # Stage shards to CPU and write them in the background (DCP async save).
+    async_save: bool = True
 
 
 @dataclass
@@ -144,9 +149,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 
 # Accepted by the schema (the planner reasons about them) but not yet run by the engines.
 _NOT_YET: dict[str, tuple[Any, ...]] = {
-    "engine.name": ("fsdp2",),
-    "parallel.pp": (None, 1),
-    "parallel.sequence_parallel": (False,),
+    "engine.name": ("fsdp2", "deepspeed"),
 }
 
 _POSITIVE = (
@@ -184,6 +187,7 @@ _NON_NEGATIVE = (
     "trainer.weight_decay",
     "trainer.grad_clip",
     "checkpoint.every_steps",
+    "checkpoint.keep_every",
 )
 
 

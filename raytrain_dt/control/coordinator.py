@@ -16,9 +16,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from raytrain_dt.checkpoint.layout import CheckpointRef, latest_checkpoint, list_checkpoints, prune
+from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.load import to_yaml
 from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.cluster import (
     ClusterHandle,
     NodeInfo,
@@ -88,8 +89,10 @@ def open_dataset(cfg: TrainConfig) -> TokenDataset:
 
 def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gpu: bool) -> Plan:
     """Plan the layout for this cluster; whatever the config pins is honoured and validated."""
-    # Pipeline parallelism is not run by the engines yet, so the planner may not choose it.
-    pins = dataclasses.replace(LayoutPins.from_config(cfg), pp=1)
+    pins = LayoutPins.from_config(cfg)
+    if cfg.engine.name != "fsdp2" and pins.pp is None:
+        # Only the FSDP2 engine runs pipeline stages, so no other engine may be planned onto one.
+        pins = dataclasses.replace(pins, pp=1)
     return plan(
         shape,
         topology,
@@ -106,14 +109,15 @@ class Coordinator:
     ):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir).resolve()
-        self.checkpoint_root = Path(cfg.checkpoint.dir or self.run_dir / "checkpoints").resolve()
+        self.checkpoint_root = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
+        self.store = CheckpointStore(self.checkpoint_root)
         self.ray_temp_dir = ray_temp_dir
         self.show_progress = show_progress
         self.shape = model_shape(cfg)
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> tuple[TokenDataset, CheckpointRef | None]:
-        existing = list_checkpoints(self.checkpoint_root)
+        existing = self.store.committed()
         if existing and not self.cfg.resume:
             raise UserError(
                 f"run.dir: {self.run_dir} already has checkpoints (latest step "
@@ -124,7 +128,10 @@ class Coordinator:
             raise ConfigError(f"model.vocab_size: {self.shape.vocab_size} < 256 byte tokens")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        resume = latest_checkpoint(self.checkpoint_root) if self.cfg.resume else None
+        resume = self.store.latest_valid() if self.cfg.resume else None
+        if self.cfg.resume and resume is None:
+            log.info("resume=true but %s holds no committed checkpoint: starting fresh",
+                     self.checkpoint_root)  # fmt: skip
         return dataset, resume
 
     def _world_size(self, handle: ClusterHandle) -> tuple[int, list[NodeInfo]]:
@@ -228,7 +235,8 @@ class Coordinator:
         finally:
             group.shutdown()
             recorder.close()
-        latest = latest_checkpoint(self.checkpoint_root)
+        committed = self.store.committed()
+        latest = committed[-1] if committed else None
         return RunResult(
             str(self.run_dir),
             final_step,
@@ -244,6 +252,13 @@ class Coordinator:
         steps = self.cfg.trainer.steps
         dp_of = [layout.dims.coords(r).dp for r in range(layout.dims.world_size)]
         step = start_step
+        checkpoints = CheckpointTracker(
+            self.store,
+            layout.dims.world_size,
+            recorder,
+            self.cfg.checkpoint.keep_last,
+            self.cfg.checkpoint.keep_every,
+        )
         bar = tqdm(
             total=steps,
             initial=start_step,
@@ -275,15 +290,8 @@ class Coordinator:
                                     loss=f"{report['loss']:.4f}",
                                     tok_s=f"{report['tokens_per_s']:.0f}",
                                 )
-                        elif report["kind"] == "checkpoint" and status["rank"] == 0:
-                            recorder.event(
-                                "checkpoint",
-                                step=report["step"],
-                                path=report["path"],
-                                stall_s=report["stall_s"],
-                            )
-                            for path in prune(self.checkpoint_root, self.cfg.checkpoint.keep_last):
-                                recorder.event("checkpoint_deleted", path=path)
+                        else:
+                            checkpoints.on_report(report)
                 failed = [s for s in statuses if s["state"] == "failed"]
                 if failed:
                     recorder.event("failed", ranks=[s["rank"] for s in failed])

@@ -18,4 +18,8 @@ def build_engine(
         from raytrain_dt.engines.fsdp2 import FSDP2Engine
 
         return FSDP2Engine(model, cfg, layout, mesh, device)
+    if cfg.engine.name == "deepspeed":
+        from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
+
+        return DeepSpeedEngine(model, cfg, layout, mesh, device)
     raise ValueError(f"engine.name: {cfg.engine.name!r} has no engine")

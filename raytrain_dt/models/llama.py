@@ -115,10 +115,14 @@ class LlamaDecoder(nn.Module):
                 nn.init.normal_(param, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
+        # A pipeline stage holds None for the ends it does not own: the first stage takes token
+        # ids, later stages take hidden states, and only the last stage produces logits.
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        return self.output(self.norm(h))
+        if self.norm is not None:
+            h = self.norm(h)
+        return h if self.output is None else self.output(h)
 
 
 def build_model(shape: ModelShape, max_seq_len: int, seed: int) -> LlamaDecoder:

@@ -1,36 +1,66 @@
-"""Megatron-style tensor parallelism for the Llama decoder, with DTensor `parallelize_module`.
+"""Megatron-style tensor (and sequence) parallelism for the Llama decoder via `parallelize_module`.
 
 Column-parallel q/k/v and MLP gate/up projections, row-parallel attention output and MLP down
 projections, so each block needs one all-reduce in forward and one in backward per sub-layer,
 and the heads split evenly across TP ranks. The embedding is vocab-parallel (row-parallel over
-the vocabulary) and the head is vocab-parallel with its logits gathered. Norms hold `Replicate`
-DTensors, so every parameter lives on the same (dp, tp) mesh once FSDP2 shards it: the fused
-(foreach) optimizer and clipping kernels cannot mix meshes.
+the vocabulary) and the head is vocab-parallel with its logits gathered.
+
+With sequence parallelism the residual stream between sub-layers is sharded along the sequence
+(Shard(1)): norms run on their sequence slice, each all-reduce becomes a reduce-scatter after the
+row-parallel projection plus an all-gather before the column-parallel ones, so activation memory
+outside attention/MLP drops by the TP degree at the same communication volume.
+
+Norms hold `Replicate` DTensors either way, so every parameter lives on the same (dp, tp) mesh
+once FSDP2 shards it: the fused (foreach) optimizer and clipping kernels cannot mix meshes.
+Modules a pipeline stage does not hold (None) are skipped.
 """
 
 from __future__ import annotations
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    PrepareModuleInput,
     RowwiseParallel,
+    SequenceParallel,
     parallelize_module,
 )
 
-BLOCK_PLAN = {
-    "attention.wq": ColwiseParallel(),
-    "attention.wk": ColwiseParallel(),
-    "attention.wv": ColwiseParallel(),
-    "attention.wo": RowwiseParallel(),
-    "feed_forward.w1": ColwiseParallel(),
-    "feed_forward.w3": ColwiseParallel(),
-    "feed_forward.w2": RowwiseParallel(),
-}
+
+def _block_plan(sequence_parallel: bool) -> dict:
+    plan = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+    }
+    if not sequence_parallel:
+        return {
+            **plan,
+            "attention.wo": RowwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(),
+        }
+    return {
+        **plan,
+        "attention_norm": SequenceParallel(),
+        # Attention takes (x, rope): gather x's sequence shards once for q, k and v together;
+        # rope is a plain full-length table and passes through untouched.
+        "attention": PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+        ),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "ffn_norm": SequenceParallel(),
+        "feed_forward": PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+        ),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+    }
 
 
-def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
     shape = model.shape
     tp = tp_mesh.size()
     if shape.n_heads % tp or shape.n_kv_heads % tp:
@@ -42,21 +72,34 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         raise ValueError(
             "parallel.tp: tied embeddings with tensor parallelism are not supported yet"
         )
+    seq_len = model.rope.shape[0]
+    if sequence_parallel and seq_len % tp:
+        raise ValueError(
+            f"parallel.sequence_parallel: data.seq_len={seq_len} must be divisible by "
+            f"parallel.tp={tp}"
+        )
+    plan = _block_plan(sequence_parallel)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, BLOCK_PLAN)
-        for norm in (block.attention_norm, block.ffn_norm):
-            _replicate(norm, tp_mesh)
-    _replicate(model.norm, tp_mesh)
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(
-                input_layouts=Replicate(), output_layouts=Replicate()
-            ),
-            "output": ColwiseParallel(output_layouts=Replicate()),
-        },
-    )
+        parallelize_module(block, tp_mesh, plan)
+        if not sequence_parallel:
+            for norm in (block.attention_norm, block.ffn_norm):
+                _replicate(norm, tp_mesh)
+    # Shard(1) between the embedding, the blocks and the head when sequence-parallel.
+    stream = Shard(1) if sequence_parallel else Replicate()
+    root_plan: dict = {}
+    if model.tok_embeddings is not None:
+        root_plan["tok_embeddings"] = RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=stream
+        )
+    if model.norm is not None:
+        if sequence_parallel:
+            root_plan["norm"] = SequenceParallel()
+        else:
+            _replicate(model.norm, tp_mesh)
+    if model.output is not None:
+        root_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+    if root_plan:
+        parallelize_module(model, tp_mesh, root_plan)
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:

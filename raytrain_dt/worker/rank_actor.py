@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from raytrain_dt.checkpoint.layout import checkpoint_dir, write_train_state
+from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.data.pipeline import iterate_micro_batches
 from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.models.llama import build_model
+from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.device import select_device
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
@@ -104,11 +105,12 @@ class RankWorker:
         t1 = time.perf_counter()
         model = build_model(spec.shape, spec.cfg.data.seq_len, spec.cfg.run.seed)
         self.engine = build_engine(model, spec.cfg, spec.layout, mesh, device)
+        self.checkpointer = RankCheckpointer(
+            self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save
+        )
         if spec.resume_from:
             self.engine.load(spec.resume_from)
-            rng_file = Path(spec.resume_from) / "rng" / f"rank_{spec.rank}.pt"
-            if rng_file.is_file():
-                torch.set_rng_state(torch.load(rng_file, weights_only=True))
+            self.checkpointer.restore_rng(spec.resume_from)
         timings["model_build_s"] = time.perf_counter() - t1
 
         t2 = time.perf_counter()
@@ -147,7 +149,16 @@ class RankWorker:
 
     def _run(self, loop: LoopSpec) -> None:
         try:
-            run_loop(self.engine, self._batches, loop, self._reports.put, self._save, self._stop)
+            run_loop(
+                self.engine,
+                self._batches,
+                loop,
+                self._reports.put,
+                self._save,
+                self._stop,
+                self.checkpointer.agree_requested,
+            )
+            self.checkpointer.wait()  # the last save is written before the rank reports done
             self._done = True
         except BaseException:
             self._error = traceback.format_exc()
@@ -155,35 +166,23 @@ class RankWorker:
 
     def _save(self, step: int, consumed: int) -> None:
         spec = self.spec
-        path = checkpoint_dir(spec.checkpoint_root, step)
-        started = time.perf_counter()
-        (path / "rng").mkdir(parents=True, exist_ok=True)
-        torch.save(torch.get_rng_state(), path / "rng" / f"rank_{spec.rank}.pt")
-        self.engine.save(str(path))
         if spec.rank == 0:
-            # dcp.save returns on rank 0 only after every rank's shards and the metadata are
-            # written, so this record marks a complete checkpoint.
-            write_train_state(
-                path,
-                {
-                    "step": step,
-                    "consumed_samples": consumed,
-                    "global_batch": spec.layout.global_batch,
-                    "layout": spec.layout.as_dict(),
-                    "engine": spec.cfg.engine.name,
-                    "model_shape": spec.shape.__dict__,
-                    "torch_version": torch.__version__,
-                    "saved_at": time.time(),
-                },
-            )
-        self._reports.put(
-            {
-                "kind": "checkpoint",
+            self._reports.put({"kind": "train_state", "step": step, "train_state": {
                 "step": step,
-                "path": str(path),
-                "stall_s": time.perf_counter() - started,
-            }
-        )
+                "consumed_samples": consumed,
+                "global_batch": spec.layout.global_batch,
+                "layout": spec.layout.as_dict(),
+                "engine": spec.cfg.engine.name,
+                "model_shape": spec.shape.__dict__,
+                "seq_len": spec.cfg.data.seq_len,
+                "torch_version": torch.__version__,
+                "saved_at": time.time(),
+            }})  # fmt: skip
+        self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
+
+    def request_checkpoint(self) -> None:
+        """Save at the next step boundary (all ranks agree on which one)."""
+        self.checkpointer.request()
 
     def poll(self) -> dict:
         reports = []

@@ -35,6 +35,7 @@ def run_loop(
     report: Callable[[dict], None],
     save_checkpoint: Callable[[int, int], None],
     stop: threading.Event,
+    agree_save_requested: Callable[[], bool] = lambda: False,
 ) -> None:
     consumed = spec.consumed_samples
     tokens_per_step = spec.global_batch * spec.seq_len
@@ -61,7 +62,10 @@ def run_loop(
             record["sample_ids"] = [int(i) for m in micro for i in m["sample_id"]]
         report(record)
         completed = step + 1
-        if spec.checkpoint_every and (
+        # Collective: every rank gets the same answer at the same boundary.
+        requested = agree_save_requested()
+        scheduled = spec.checkpoint_every and (
             completed % spec.checkpoint_every == 0 or completed == spec.end_step
-        ):
+        )
+        if scheduled or requested:
             save_checkpoint(completed, consumed)

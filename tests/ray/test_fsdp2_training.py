@@ -72,8 +72,9 @@ def test_existing_checkpoints_are_not_overwritten(make_config, tmp_path):
     from raytrain_dt.errors import UserError
 
     run_dir = tmp_path / "guarded"
-    (run_dir / "checkpoints" / "step_3").mkdir(parents=True)
-    (run_dir / "checkpoints" / "step_3" / "train_state.json").write_text('{"consumed_samples": 24}')
+    step_dir = run_dir / "checkpoints" / "step_3"
+    step_dir.mkdir(parents=True)
+    (step_dir / "commit.json").write_text('{"step": 3, "train_state": {}, "files": {}}')
     with pytest.raises(UserError, match="resume=true"):
         train(make_config(run_dir=run_dir), show_progress=False)
-    assert (run_dir / "checkpoints" / "step_3" / "train_state.json").exists()
+    assert (step_dir / "commit.json").exists()

@@ -137,7 +137,7 @@ def test_ray_job_submit_trains_and_writes_the_run_dir(head_node, token_data, tmp
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     assert (run_dir / "config.yaml").is_file()
-    assert (run_dir / "checkpoints" / "step_4" / "train_state.json").is_file()
+    assert (run_dir / "checkpoints" / "step_4" / "commit.json").is_file()
     assert f"run dir: {run_dir}" in logs
 
 

@@ -1,0 +1,104 @@
+"""`raytrain-dt ckpt ls|inspect|consolidate`: look at and export checkpoints without a cluster."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from raytrain_dt.checkpoint.storage import Location
+from raytrain_dt.checkpoint.store import COMMIT_FILE, CheckpointRef, CheckpointStore
+from raytrain_dt.errors import CheckpointError
+from raytrain_dt.models.presets import ModelShape
+
+
+def resolve(path: str) -> tuple[CheckpointStore, CheckpointRef]:
+    """A checkpoint directory, or a run directory (its newest intact checkpoint)."""
+    loc = Location.parse(path)
+    if not loc.exists():
+        raise CheckpointError(f"{path}: does not exist")
+    if loc.child(COMMIT_FILE).exists() or loc.path.rstrip("/").rsplit("/", 1)[-1].startswith(
+        "step_"
+    ):
+        parent = path.rstrip("/").rsplit("/", 1)[0]
+        store = CheckpointStore(parent)
+        for ref in store.list():
+            if ref.uri.rstrip("/") == loc.uri.rstrip("/"):
+                return store, ref
+    for root in (loc.child("checkpoints"), loc):
+        store = CheckpointStore(root.uri)
+        if store.list():
+            ref = store.latest_valid()
+            if ref is None:
+                raise CheckpointError(f"{path}: no committed, intact checkpoint")
+            return store, ref
+    raise CheckpointError(f"{path}: holds no checkpoint")
+
+
+def _state(store: CheckpointStore, ref: CheckpointRef) -> str:
+    problems = store.problems(ref)
+    if not problems:
+        return "committed, intact"
+    return "; ".join(problems)
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    _, ref = resolve(args.run)
+    store = CheckpointStore(ref.uri.rstrip("/").rsplit("/", 1)[0])
+    for item in store.list():
+        total = sum(f["size"] for f in item.record.get("files", {}).values())
+        print(f"step {item.step:>8}  {total / 1e6:10.2f} MB  {_state(store, item)}  {item.uri}")
+    return 0
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from raytrain_dt.checkpoint.export import model_tensors
+
+    store, ref = resolve(args.path)
+    state = ref.train_state
+    files = ref.record.get("files", {})
+    layout = state.get("layout", {})
+    tensors = model_tensors(ref.uri) if state.get("engine", "fsdp2") == "fsdp2" else {}
+    print(f"checkpoint: {ref.uri}")
+    print(f"step: {ref.step}   consumed samples: {ref.consumed_samples}")
+    print(
+        f"engine: {state.get('engine')}   layout: {layout.get('dims')}  zero={layout.get('zero_stage')}"
+    )
+    print(f"files: {len(files)}   bytes: {sum(f['size'] for f in files.values())}")
+    print(
+        f"model tensors: {len(tensors)}   parameters: {sum(s.numel() for s, _ in tensors.values())}"
+    )
+    print(f"state: {_state(store, ref)}")
+    return 0
+
+
+def cmd_consolidate(args: argparse.Namespace) -> int:
+    from raytrain_dt.checkpoint.export import consolidate
+
+    _, ref = resolve(args.path)
+    state = ref.train_state
+    if state.get("engine", "fsdp2") != "fsdp2":
+        raise CheckpointError(
+            f"{ref.uri}: consolidate reads DCP (fsdp2) checkpoints; convert it first"
+        )
+    shape = ModelShape(**state["model_shape"])
+    files = consolidate(
+        ref.uri, args.out, shape, state.get("seq_len", 2048), int(args.shard_gb * 1e9)
+    )
+    for f in files:
+        print(f"{f}  {os.path.getsize(f)} bytes")
+    return 0
+
+
+def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="ckpt_command", required=True)
+    p = sub.add_parser("ls", help="list a run's checkpoints with their state")
+    p.add_argument("run")
+    p.set_defaults(func=cmd_ls)
+    p = sub.add_parser("inspect", help="step, layout, engine, sizes, tensors, integrity")
+    p.add_argument("path")
+    p.set_defaults(func=cmd_inspect)
+    p = sub.add_parser("consolidate", help="export to Hugging Face safetensors + config.json")
+    p.add_argument("path", help="a run directory or a checkpoint directory")
+    p.add_argument("--out", required=True)
+    p.add_argument("--shard-gb", type=float, default=5.0, help="split the safetensors above this")
+    p.set_defaults(func=cmd_consolidate)

@@ -1,0 +1,147 @@
+"""Consolidate a DCP checkpoint into Hugging Face Llama format: `model.safetensors` (sharded
+with an index above a size threshold) and `config.json`, streamed tensor by tensor.
+
+Each tensor is read alone from the DCP shards (`dcp.load` of one key, no process group) and
+appended to the output file, whose header is computed up front from DCP's metadata; peak
+memory is therefore about one tensor, not the model. The safetensors library has no streaming
+writer, so the (simple, documented) file layout is written here and read back with
+`safetensors.safe_open` in the tests.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from raytrain_dt.checkpoint.storage import dcp_reader
+from raytrain_dt.models.presets import ModelShape
+
+_SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+# Our parameter names -> transformers' LlamaForCausalLM names.
+_HF_NAMES = [
+    (r"^tok_embeddings\.weight$", "model.embed_tokens.weight"),
+    (r"^norm\.weight$", "model.norm.weight"),
+    (r"^output\.weight$", "lm_head.weight"),
+    (r"^layers\.(\d+)\.attention\.wq\.", r"model.layers.\1.self_attn.q_proj."),
+    (r"^layers\.(\d+)\.attention\.wk\.", r"model.layers.\1.self_attn.k_proj."),
+    (r"^layers\.(\d+)\.attention\.wv\.", r"model.layers.\1.self_attn.v_proj."),
+    (r"^layers\.(\d+)\.attention\.wo\.", r"model.layers.\1.self_attn.o_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w3\.", r"model.layers.\1.mlp.up_proj."),
+    (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
+    (r"^layers\.(\d+)\.attention_norm\.", r"model.layers.\1.input_layernorm."),
+    (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
+]
+
+
+def hf_name(name: str) -> str:
+    for pattern, replacement in _HF_NAMES:
+        if re.match(pattern, name):
+            return re.sub(pattern, replacement, name)
+    raise KeyError(f"{name}: no Hugging Face Llama name for this parameter")
+
+
+def hf_config(shape: ModelShape, max_seq_len: int) -> dict:
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": shape.dim,
+        "intermediate_size": shape.ffn_hidden,
+        "num_hidden_layers": shape.n_layers,
+        "num_attention_heads": shape.n_heads,
+        "num_key_value_heads": shape.n_kv_heads,
+        "vocab_size": shape.vocab_size,
+        "rms_norm_eps": shape.norm_eps,
+        "rope_theta": shape.rope_theta,
+        "max_position_embeddings": max_seq_len,
+        "tie_word_embeddings": shape.tie_embeddings,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    }
+
+
+def model_tensors(checkpoint_uri: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Our model parameter names -> (shape, dtype), from DCP metadata alone."""
+    metadata = dcp_reader(checkpoint_uri).read_metadata()
+    return {
+        key.removeprefix("model."): (meta.size, meta.properties.dtype)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("model.") and hasattr(meta, "size")
+    }
+
+
+def stream_tensors(checkpoint_uri: str, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Full tensors one at a time, each assembled from however many shards hold it."""
+    tensors = model_tensors(checkpoint_uri)
+    for name in names:
+        size, dtype = tensors[name]
+        out = {f"model.{name}": torch.empty(size, dtype=dtype)}
+        dcp.load(out, storage_reader=dcp_reader(checkpoint_uri), no_dist=True)
+        yield name, out[f"model.{name}"]
+
+
+def _write_safetensors(path: Path, entries: list[tuple[str, str, torch.Size, torch.dtype]],
+                       tensors: Iterator[tuple[str, torch.Tensor]]) -> None:  # fmt: skip
+    """entries: (our name, output name, shape, dtype) in file order; tensors in the same order."""
+    header, offset = {}, 0
+    for _, out_name, size, dtype in entries:
+        nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
+        header[out_name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(size),
+                            "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(blob)))
+        f.write(blob)
+        for name, tensor in tensors:
+            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
+            del tensor, name
+
+
+def consolidate(checkpoint_uri: str, out_dir: str | Path, shape: ModelShape, max_seq_len: int,
+                shard_bytes: int = 5 * 10**9) -> list[Path]:  # fmt: skip
+    """Write HF-format safetensors (+ index when sharded) and config.json; returns the files."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = model_tensors(checkpoint_uri)
+    names = [n for n in tensors if not (shape.tie_embeddings and n == "output.weight")]
+    shards: list[list[str]] = [[]]
+    size_of = {
+        n: tensors[n][0].numel() * torch.empty((), dtype=tensors[n][1]).element_size()
+        for n in names
+    }
+    for name in names:
+        if shards[-1] and sum(size_of[n] for n in shards[-1]) + size_of[name] > shard_bytes:
+            shards.append([])
+        shards[-1].append(name)
+    written = []
+    for i, shard in enumerate(shards):
+        file = (
+            "model.safetensors"
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        entries = [(n, hf_name(n), tensors[n][0], tensors[n][1]) for n in shard]
+        _write_safetensors(out / file, entries, stream_tensors(checkpoint_uri, shard))
+        written.append(out / file)
+    if len(shards) > 1:
+        index = {
+            "metadata": {"total_size": sum(size_of.values())},
+            "weight_map": {hf_name(n): f.name for f, shard in zip(written, shards) for n in shard},
+        }
+        (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+        written.append(out / "model.safetensors.index.json")
+    (out / "config.json").write_text(json.dumps(hf_config(shape, max_seq_len), indent=2))
+    written.append(out / "config.json")
+    return written

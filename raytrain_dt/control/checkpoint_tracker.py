@@ -1,0 +1,72 @@
+"""Driver-side checkpoint bookkeeping: collect the ranks' save reports, commit a checkpoint
+once every rank has written its shards, record stalls and failures, apply retention.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from raytrain_dt.checkpoint.store import CheckpointStore
+from raytrain_dt.observe.metrics import RunRecorder
+
+log = logging.getLogger(__name__)
+
+
+class CheckpointTracker:
+    def __init__(self, store: CheckpointStore, world_size: int, recorder: RunRecorder,
+                 keep_last: int, keep_every: int):  # fmt: skip
+        self.store = store
+        self.world_size = world_size
+        self.recorder = recorder
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self._saved: dict[int, set[int]] = {}
+        self._train_state: dict[int, dict] = {}
+        self._stall: dict[int, float] = {}
+        self._failed: set[int] = set()
+        self._started: dict[int, float] = {}
+        self.last_committed: int | None = None
+
+    @property
+    def in_flight(self) -> set[int]:
+        return set(self._saved) | set(self._train_state)
+
+    def on_report(self, report: dict) -> None:
+        kind, step = report["kind"], report["step"]
+        if kind == "train_state":
+            self._train_state[step] = report["train_state"]
+            self._started[step] = time.time()
+        elif kind == "checkpoint_staged":
+            # The slowest rank's staging is what training waited for.
+            self._stall[step] = max(self._stall.get(step, 0.0), report["stall_s"])
+        elif kind == "save_failed":
+            if step not in self._failed:
+                self._failed.add(step)
+                log.warning("checkpoint step %d failed: %s (previous latest stays latest)",
+                            step, report["error"])  # fmt: skip
+                self.recorder.event("checkpoint_failed", step=step, error=report["error"])
+            self._forget(step)
+        elif kind == "saved" and step not in self._failed:
+            self._saved.setdefault(step, set()).add(report["rank"])
+            if len(self._saved[step]) == self.world_size and step in self._train_state:
+                self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        ref = self.store.commit(step, self._train_state[step])
+        self.last_committed = step
+        self.recorder.event(
+            "checkpoint",
+            step=step,
+            path=ref.uri,
+            stall_s=self._stall.get(step, 0.0),
+            write_s=time.time() - self._started.get(step, time.time()),
+            bytes=sum(f["size"] for f in ref.record["files"].values()),
+        )
+        self._forget(step)
+        for uri in self.store.prune(self.keep_last, self.keep_every, self.in_flight):
+            self.recorder.event("checkpoint_deleted", path=uri)
+
+    def _forget(self, step: int) -> None:
+        for table in (self._saved, self._train_state, self._stall, self._started):
+            table.pop(step, None)

@@ -1,0 +1,298 @@
+"""DeepSpeed engine: ZeRO stage 0-3 data parallelism behind the Engine protocol.
+
+The model is wrapped by `deepspeed.initialize` with our own AdamW (`engines.optim`, same param
+groups as FSDP2 and the reference) as a client optimizer, and a config generated from ours by
+`deepspeed_config`, the one place where DeepSpeed's defaults meet our semantics. DeepSpeed owns
+gradient accumulation (loss scaled by 1/GAS, gradients reduced only at the boundary), clipping
+and the optimizer step; we set the learning rate every step from `lr_at`.
+
+Checkpoints are DeepSpeed's own format under `<step dir>/ds`. A checkpoint written at another
+DP size is converted once to a universal checkpoint (`<step dir>/ds_universal`) and loaded
+from there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from raytrain_dt.checkpoint.storage import Location
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.engines.base import StepResult
+from raytrain_dt.engines.optim import build_adamw, set_lr
+from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.worker.device import DeviceSpec
+
+log = logging.getLogger("raytrain_dt.deepspeed")
+
+TAG = "ds"
+UNIVERSAL_TAG = "ds_universal"
+
+
+def check_layout(layout: Layout) -> None:
+    """Reject what this engine cannot run, naming the config key at fault."""
+    d = layout.dims
+    if d.tp > 1:
+        raise ValueError(f"parallel.tp: {d.tp} is not supported by engine.name=deepspeed (use 1)")
+    if d.pp > 1 and layout.zero_stage >= 2:
+        raise ValueError(
+            f"engine.zero_stage: {layout.zero_stage} cannot be combined with parallel.pp={d.pp} "
+            "(DeepSpeed pipeline parallelism allows ZeRO-1 at most)"
+        )
+    if d.pp > 1:
+        raise ValueError(
+            f"parallel.pp: {d.pp} is not supported by engine.name=deepspeed; "
+            "ZeRO-1 + PP is not supported in this version"
+        )
+    if d.cp > 1:
+        raise ValueError(f"parallel.cp: {d.cp} is not supported by engine.name=deepspeed")
+
+
+def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> dict:
+    """The DeepSpeed config for this layout. Pure: no torch.distributed, no DeepSpeed import."""
+    check_layout(layout)
+    zero: dict = {
+        "stage": layout.zero_stage,
+        # We report the norm every step (it is also what clipping uses).
+        "compute_grad_norm": True,
+    }
+    if layout.zero_stage == 3:
+        # DeepSpeed keeps parameters under 1e5 elements unpartitioned by default; the planner's
+        # memory model (and FSDP2's ZeRO-3) shards every parameter, so do the same.
+        zero["stage3_param_persistence_threshold"] = 0
+        # Saving writes each rank's fp32 partition; no 16-bit consolidated copy is wanted.
+        zero["stage3_gather_16bit_weights_on_model_save"] = False
+    if layout.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.device_type == "cuda"}
+    config: dict = {
+        "train_batch_size": layout.global_batch,
+        "train_micro_batch_size_per_gpu": layout.micro_batch,
+        "gradient_accumulation_steps": layout.grad_accum,
+        # DeepSpeed's default is 1.0; 0 must mean "no clipping" as in our config.
+        "gradient_clipping": float(cfg.trainer.grad_clip),
+        "zero_optimization": zero,
+        # Gradients are averaged over DP after the reduce, as in FSDP2 and the reference
+        # (DeepSpeed defaults, pinned: a pre-division would change rounding).
+        "prescale_gradients": False,
+        "gradient_predivide_factor": 1.0,
+        "bf16": {"enabled": device.mixed_precision and device.param_dtype == torch.bfloat16},
+        "fp16": {"enabled": False},
+        # The client optimizer is torch AdamW; DeepSpeed would otherwise insist on its own
+        # DeepSpeedCPUAdam (a JIT-built C++ op) when the optimizer is offloaded.
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": False,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+        "dump_state": False,
+        # Same-size checkpoints load as written; `load` switches to universal ones itself.
+        "checkpoint": {"load_universal": False, "tag_validation": "Warn"},
+    }
+    if device.mixed_precision:
+        # Accumulate and reduce gradients in the dtype our DeviceSpec names (fp32), as FSDP2's
+        # MixedPrecisionPolicy does; DeepSpeed would otherwise use the compute dtype.
+        dtype = str(device.reduce_dtype).removeprefix("torch.")
+        config["communication_data_type"] = {"float32": "fp32", "bfloat16": "bf16"}[dtype]
+        config["data_types"] = {"grad_accum_dtype": config["communication_data_type"]}
+    # No "optimizer" and no "scheduler" section: the client optimizer is passed in, and the
+    # learning rate is set on it every step from `lr_at`.
+    return config
+
+
+def _skip_shm_comm() -> None:
+    """Keep DeepSpeed from JIT-building its shared-memory CPU collectives (~36 s cold).
+
+    `TorchBackend` builds `deepspeed_shm_comm` whenever the op probes as compatible; marking it
+    incompatible makes DeepSpeed use plain torch.distributed (gloo), as FSDP2 does.
+    """
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+
+
+class DeepSpeedEngine:
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: DeviceSpec,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.device = device
+        self.ds_config = deepspeed_config(cfg, layout, device)
+        if layout.activation_checkpointing:
+            from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
+
+            apply_activation_checkpointing(model)
+        import deepspeed
+
+        # DeepSpeed picks its device from LOCAL_RANK; the actor has already selected it.
+        local = torch.cuda.current_device() if device.device_type == "cuda" else 0
+        os.environ.setdefault("LOCAL_RANK", str(local))
+        if device.device_type == "cpu":
+            _skip_shm_comm()
+        # The actor initialised torch.distributed; this only wraps the existing default group.
+        deepspeed.init_distributed(dist_backend=device.backend, dist_init_required=False)
+        self._names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+        self.engine, self.optimizer, _, _ = deepspeed.initialize(
+            model=model,
+            optimizer=build_adamw(model, cfg.trainer),
+            config=self.ds_config,
+            dist_init_required=False,
+        )
+        self._dp_group = mesh["dp"].get_group()
+
+    def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult:
+        t = self.cfg.trainer
+        lr = lr_at(
+            step,
+            lr=t.lr,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.steps,
+            min_lr_ratio=t.min_lr_ratio,
+        )
+        set_lr(self.optimizer, lr)
+        if len(micro_batches) != self.engine.gradient_accumulation_steps():
+            raise ValueError(
+                f"got {len(micro_batches)} micro-batches, DeepSpeed was configured for "
+                f"{self.engine.gradient_accumulation_steps()}"
+            )
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        for tokens in micro_batches:
+            tokens = tokens.to(self.engine.device)
+            loss = next_token_loss(self.engine(tokens), tokens)
+            # Scales by 1/GAS and reduces gradients only at the accumulation boundary.
+            self.engine.backward(loss)
+            if self.engine.is_gradient_accumulation_boundary() and self.layout.zero_stage == 0:
+                # Without ZeRO, DeepSpeed clips but does not keep the norm; gradients are
+                # already averaged over DP here, so the local norm is the global one.
+                grads = [p.grad for p in self.engine.module.parameters() if p.grad is not None]
+                self._stage0_norm = float(torch.nn.utils.get_total_norm(grads, 2.0))
+            # A no-op except at the boundary, where it clips and steps.
+            self.engine.step()
+            loss_sum += loss.detach().double().cpu()
+        norm = self.engine.get_global_grad_norm()
+        grad_norm = self._stage0_norm if self.layout.zero_stage == 0 else float(norm)
+        # Every micro-batch has the same number of tokens, so the global-batch mean is the mean
+        # of the per-rank means over DP.
+        global_loss = loss_sum / len(micro_batches)
+        dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
+        return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
+
+    # --- checkpoint state ----------------------------------------------------------------------
+    def save(self, checkpoint_dir: str) -> None:
+        # Collective. Writes <dir>/ds/ (model states + per-rank ZeRO optimizer partitions).
+        self.engine.save_checkpoint(str(_local_path(checkpoint_dir)), tag=TAG)
+
+    def load(self, checkpoint_dir: str) -> None:
+        path = _local_path(checkpoint_dir)
+        saved = _saved_layout(path / TAG)
+        current = (self.layout.dims.dp, self.layout.zero_stage == 3)
+        tag = TAG
+        if saved is None and self.layout.zero_stage != 0 and (path / TAG).is_dir():
+            raise ValueError(
+                f"engine.zero_stage: {checkpoint_dir} was written with zero_stage=0 (no ZeRO "
+                f"partitions); resume with zero_stage=0, not {self.layout.zero_stage}"
+            )
+        if saved is not None and saved != current:
+            if self.layout.zero_stage == 0:
+                raise ValueError(
+                    f"{checkpoint_dir}: a ZeRO checkpoint (DP size {saved[0]}) cannot be loaded "
+                    "at engine.zero_stage=0; use zero_stage >= 1"
+                )
+            if saved[1] != current[1]:
+                # DeepSpeed 0.19.8's universal loader fails (no model-state files) when crossing
+                # this boundary, so say so instead of failing inside DeepSpeed.
+                raise ValueError(
+                    f"engine.zero_stage: {checkpoint_dir} was written "
+                    f"{'with' if saved[1] else 'without'} ZeRO-3; resume with "
+                    f"zero_stage {'3' if saved[1] else '1 or 2'} (switching across ZeRO-3 is "
+                    "not supported in this version)"
+                )
+            # Another DP size: DeepSpeed's own loader refuses it; the universal format is
+            # layout-free. Converted once, by rank 0, next to the original.
+            log.info("resharding %s: DP %d -> %d", checkpoint_dir, saved[0], current[0])
+            tag = UNIVERSAL_TAG
+            if dist.get_rank() == 0 and not (path / tag).is_dir():
+                _to_universal(path)
+            dist.barrier()
+            # Consulted only inside load_checkpoint (by the engine and the ZeRO optimizer).
+            self.engine._config.load_universal_checkpoint = True
+        # Hyperparameters come from our config, not the checkpoint. This also undoes a DeepSpeed
+        # 0.19.8 bug: ZeRO-3's universal loader copies group 0's settings to every group, which
+        # gives the no-decay group weight decay.
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        try:
+            loaded, _ = self.engine.load_checkpoint(
+                str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+            )
+        finally:
+            self.engine._config.load_universal_checkpoint = False
+        for group, settings in zip(self.optimizer.param_groups, hyper, strict=True):
+            group.update(settings)
+        # Same loader: every ZeRO-3 sub-group gets the *same* `step` tensor, which torch's
+        # foreach AdamW then increments once per sub-group per step (wrong bias correction).
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        for state in inner.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+        if loaded is None:
+            raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {checkpoint_dir}")
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master parameters by name (collective: ZeRO partitions are gathered)."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        params = dict(self.engine.module.named_parameters(remove_duplicate=False))
+        out = {}
+        for name in self._names:
+            full = safe_get_full_fp32_param(params[name])
+            # Stage 0 keeps no separate master copy: the module's parameter is it.
+            out[name] = (params[name] if full is None else full).detach().float().cpu().clone()
+        return out
+
+
+def _local_path(uri: str) -> Path:
+    loc = Location.parse(uri)
+    if not loc.is_local:
+        # DeepSpeed reads and writes its files with torch.save/load on a local path.
+        raise ValueError(f"checkpoint.dir: engine.name=deepspeed needs a local path, got {uri}")
+    return Path(loc.path)
+
+
+def _saved_layout(tag_dir: Path) -> tuple[int, bool] | None:
+    """(DP size, is ZeRO-3) a checkpoint was written with; None for ZeRO-0 (replicated states
+    load at any DP size). Read from DeepSpeed's file names: one optimizer partition per DP rank,
+    and per-rank model-state files only under ZeRO-3."""
+    partitions = list(tag_dir.glob("*_optim_states.pt"))
+    if not partitions:
+        return None
+    return len(partitions), any(tag_dir.glob("zero_pp_rank_*_model_states.pt"))
+
+
+def _to_universal(checkpoint_dir: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    log.info("converting %s to a universal checkpoint", checkpoint_dir / TAG)
+    args = SimpleNamespace(
+        input_folder=str(checkpoint_dir / TAG),
+        output_folder=str(checkpoint_dir / UNIVERSAL_TAG),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # ZeRO-1/2 checkpoints lack state the converter expects; ZeRO-3 ones have it.
+        inject_missing_state=True,
+    )
+    ds_to_universal.main(args)

@@ -1,0 +1,107 @@
+"""A rank's side of checkpointing: save at step boundaries (async where the engine can),
+agree with the other ranks on requested saves, restore RNG, and report what happened.
+
+The rank never decides that a checkpoint exists: it reports `saved` (or `save_failed`) and
+the coordinator commits once every rank has saved. A failed write fails that save, not the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+
+import torch
+import torch.distributed as dist
+
+from raytrain_dt.checkpoint.storage import Location
+from raytrain_dt.engines.base import Engine
+
+log = logging.getLogger(__name__)
+
+
+class RankCheckpointer:
+    def __init__(self, engine: Engine, rank: int, report: Callable[[dict], None], use_async: bool):
+        self.engine = engine
+        self.rank = rank
+        self.report = report
+        self.use_async = use_async and hasattr(engine, "save_async")
+        # Background writes and the save agreement each get their own gloo group: collectives
+        # from two threads on one group can interleave and deadlock, and neither may touch the
+        # training group (nccl on GPU) from outside the train step.
+        self.write_group = dist.new_group(backend="gloo")
+        self.agree_group = dist.new_group(backend="gloo")
+        self.requested = threading.Event()
+        self._pending: tuple[int, Future] | None = None
+
+    # --- requests ----------------------------------------------------------------------------
+    def request(self) -> None:
+        """Ask for a save at the next step boundary (preemption notice, resize)."""
+        self.requested.set()
+
+    def agree_requested(self) -> bool:
+        """True on every rank if any rank was asked to save: all ranks reach the same step
+        boundary with the same answer, so the save's collectives line up."""
+        flag = torch.tensor([1 if self.requested.is_set() else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.agree_group)
+        if flag.item():
+            self.requested.clear()
+        return bool(flag.item())
+
+    # --- saving ------------------------------------------------------------------------------
+    def save(self, uri: str, step: int) -> None:
+        self.wait()  # one save in flight: staging buffers and the writer are reused
+        started = time.perf_counter()
+        try:
+            self._save_rng(uri)
+            if self.use_async:
+                future = self.engine.save_async(uri, self.write_group)
+                self._pending = (step, future)
+                future.add_done_callback(lambda f, s=step, u=uri: self._finished(s, u, f))
+            else:
+                self.engine.save(uri)
+                self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
+        except Exception as exc:  # permission denied, disk full, ...: this save fails, not the run
+            self._failed(step, uri, exc)
+        self.report(
+            {"kind": "checkpoint_staged", "step": step, "stall_s": time.perf_counter() - started}
+        )
+
+    def _finished(self, step: int, uri: str, future: Future) -> None:
+        exc = future.exception()
+        if exc is None:
+            self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
+        else:
+            self._failed(step, uri, exc)
+
+    def _failed(self, step: int, uri: str, exc: BaseException) -> None:
+        message = f"{uri}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        log.error("checkpoint step %d failed on rank %d: %s", step, self.rank, message)
+        self.report({"kind": "save_failed", "step": step, "rank": self.rank, "error": message})
+
+    def wait(self) -> None:
+        """Block until the in-flight save (if any) is written or has failed."""
+        if self._pending is not None:
+            _, future = self._pending
+            self._pending = None
+            with contextlib.suppress(Exception):  # already reported by the done-callback
+                future.result()
+
+    # --- RNG ---------------------------------------------------------------------------------
+    def _save_rng(self, uri: str) -> None:
+        loc = Location.parse(uri).child("rng")
+        loc.makedirs()
+        buffer = io.BytesIO()
+        torch.save(torch.get_rng_state(), buffer)
+        with loc.fs.open(loc.child(f"rank_{self.rank}.pt").path, "wb") as f:
+            f.write(buffer.getvalue())
+
+    def restore_rng(self, uri: str) -> None:
+        loc = Location.parse(uri).child("rng", f"rank_{self.rank}.pt")
+        if loc.exists():
+            with loc.fs.open(loc.path, "rb") as f:
+                torch.set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=True))

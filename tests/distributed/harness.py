@@ -1,0 +1,167 @@
+"""A persistent pool of spawned worker processes that trains one layout after another, no Ray.
+
+Starting a process and importing torch costs seconds on a 2-core machine, so the pool starts its
+workers once and each layout only pays for a process group: every job initialises a fresh gloo
+group over the ranks it needs (the others sit it out), trains, and destroys the group. Ranks
+read the same global batches as `tests/reference.py`, cut per DP rank exactly as
+`raytrain_dt.data.pipeline` cuts them. A wedged collective fails within the process-group
+timeout and a wedged worker within `JOB_TIMEOUT_S`, so a broken layout never hangs the suite.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+
+PG_TIMEOUT_S = 60
+JOB_TIMEOUT_S = 180
+
+
+@dataclass(frozen=True)
+class Job:
+    cfg: object  # TrainConfig
+    layout: object  # Layout
+    steps: int
+    port: int
+    # Load this DCP checkpoint before training, and train steps [start_step, start_step+steps).
+    load_dir: str | None = None
+    start_step: int = 0
+    # Save a DCP checkpoint here after training (collective) and return its state-dict keys.
+    checkpoint_dir: str | None = None
+
+
+@dataclass
+class JobResult:
+    losses: list[float]
+    params: dict = field(default_factory=dict)
+    checkpoint_keys: list[str] | None = None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_job(rank: int, job: Job) -> JobResult:
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_dt.control.coordinator import model_shape
+    from raytrain_dt.data.order import rank_positions, sample_ids
+    from raytrain_dt.data.source import TokenDataset
+    from raytrain_dt.engines.factory import build_engine
+    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.worker.device import select_device
+
+    cfg, layout = job.cfg, job.layout
+    dims = layout.dims
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{job.port}",
+        rank=rank,
+        world_size=dims.world_size,
+        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+    )
+    try:
+        mesh = dims.build_mesh("cpu")
+        model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
+        engine = build_engine(model, cfg, layout, mesh, select_device("fp32"))
+        if job.load_dir:
+            engine.load(job.load_dir)
+        dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
+        dp_rank = dims.coords(rank).dp
+        g = layout.global_batch
+        losses = []
+        for step in range(job.start_step, job.start_step + job.steps):
+            positions = rank_positions(step * g, 1, g, dims.dp, dp_rank)
+            ids = sample_ids(positions, dataset.num_samples, cfg.data.shuffle_seed)
+            rows = torch.from_numpy(dataset.read(ids))
+            micro = list(torch.split(rows, layout.micro_batch))
+            assert len(micro) == layout.grad_accum, (len(micro), layout)
+            losses.append(engine.train_step(micro, step).loss)
+        params = engine.full_state_dict()
+        keys = None
+        if job.checkpoint_dir:
+            engine.save(job.checkpoint_dir)
+            dist.barrier()
+            keys = _checkpoint_keys(job.checkpoint_dir)
+        del engine, model
+        return JobResult(losses, params if rank == 0 else {}, keys)
+    finally:
+        dist.destroy_process_group()
+
+
+def _checkpoint_keys(path: str) -> list[str]:
+    import torch.distributed.checkpoint as dcp
+
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    return sorted(metadata.state_dict_metadata)
+
+
+def _worker_main(rank: int, conn) -> None:
+    import torch
+
+    # Four ranks share two cores: more threads per rank would only thrash.
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    while True:
+        job = conn.recv()
+        if job is None:
+            return
+        if rank >= job.layout.dims.world_size:
+            conn.send(("idle", None))
+            continue
+        try:
+            conn.send(("ok", _run_job(rank, job)))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+
+
+class WorkerPool:
+    """`size` spawned processes; `run(cfg, layout, steps)` trains on the first world_size."""
+
+    def __init__(self, size: int = 4):
+        ctx = mp.get_context("spawn")
+        self._conns = []
+        self._procs = []
+        for rank in range(size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, args=(rank, child), daemon=True)
+            proc.start()
+            self._conns.append(parent)
+            self._procs.append(proc)
+
+    def run(self, cfg, layout, steps: int, **options) -> JobResult:
+        """Train `layout` for `steps` steps; options are Job's load/save fields."""
+        if layout.dims.world_size > len(self._procs):
+            raise ValueError(f"layout needs {layout.dims.world_size} ranks, pool has fewer")
+        job = Job(cfg, layout, steps, _free_port(), **options)
+        for conn in self._conns:
+            conn.send(job)
+        replies = []
+        for rank, conn in enumerate(self._conns):
+            if not conn.poll(JOB_TIMEOUT_S):
+                self.close(force=True)
+                raise TimeoutError(f"rank {rank} gave no answer in {JOB_TIMEOUT_S}s ({layout})")
+            replies.append(conn.recv())
+        errors = [f"rank {r}:\n{body}" for r, (kind, body) in enumerate(replies) if kind == "error"]
+        if errors:
+            raise RuntimeError(f"{layout.describe()} failed\n" + "\n".join(errors))
+        return replies[0][1]
+
+    def close(self, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs, strict=True):
+            if proc.is_alive() and not force:
+                with contextlib.suppress(OSError):
+                    conn.send(None)
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)

@@ -1,0 +1,161 @@
+"""The layout equivalence matrix: every engine layout trains like the single-process reference.
+
+One pool of 4 spawned processes (no Ray) runs layout after layout, 5 optimizer steps of 2
+micro-batches each, and the losses and final full parameters must match `reference_run` within
+1e-5. The tiny model has 4 layers, so interleaved pp=2 x 2 virtual stages holds 1 layer a stage.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from harness import WorkerPool
+from reference import load_checkpoint_params, reference_run
+
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.parallel_dims import ParallelDims
+
+STEPS = 5
+GLOBAL_BATCH = 8
+GRAD_ACCUM = 2
+
+
+def _layout(zero: int = 3, **kw) -> Layout:
+    options = {
+        k: kw.pop(k)
+        for k in ("activation_checkpointing", "sequence_parallel", "pp_schedule", "virtual_stages")
+        if k in kw
+    }
+    dims = ParallelDims(world_size=_product(kw), **kw)
+    return Layout(
+        dims=dims,
+        zero_stage=zero,
+        micro_batch=GLOBAL_BATCH // (GRAD_ACCUM * dims.dp),
+        grad_accum=GRAD_ACCUM,
+        **options,
+    )
+
+
+def _product(degrees: dict) -> int:
+    out = 1
+    for v in degrees.values():
+        out *= v
+    return out
+
+
+LAYOUTS = {
+    "ddp": _layout(zero=0, dp_replicate=2),
+    "fsdp2-full": _layout(zero=3, dp_shard=2),
+    "fsdp2-grad-op+ac": _layout(zero=2, dp_shard=2, activation_checkpointing=True),
+    "hsdp-2x2": _layout(zero=3, dp_replicate=2, dp_shard=2),
+    "tp2": _layout(tp=2),
+    "tp2+sp": _layout(tp=2, sequence_parallel=True),
+    "dp2xtp2+sp": _layout(dp_shard=2, tp=2, sequence_parallel=True),
+    "dp2xtp2": _layout(dp_shard=2, tp=2),
+    "pp2-gpipe": _layout(pp=2, pp_schedule="gpipe"),
+    "pp2-1f1b": _layout(pp=2, pp_schedule="1f1b"),
+    "pp2-interleaved": _layout(pp=2, pp_schedule="interleaved", virtual_stages=2),
+    "pp2xtp2": _layout(pp=2, tp=2),
+    "pp2xdp2": _layout(pp=2, dp_shard=2),
+}
+
+
+@pytest.fixture(scope="module")
+def pool():
+    workers = WorkerPool(4)
+    yield workers
+    workers.close()
+
+
+@pytest.fixture(scope="module")
+def cfg(token_data, tmp_path_factory):
+    from conftest import REPO
+
+    from raytrain_dt.config import load_config
+
+    run_dir = tmp_path_factory.mktemp("matrix")
+    return load_config(
+        REPO / "conf" / "test.yaml",
+        [
+            f"data.path={token_data}",
+            f"run.dir={run_dir}",
+            "model.n_layers=4",
+            f"trainer.steps={STEPS}",
+            f"trainer.global_batch={GLOBAL_BATCH}",
+        ],
+    )
+
+
+@pytest.fixture(scope="module")
+def reference(cfg):
+    return reference_run(cfg, STEPS)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_equals_single_process(pool, cfg, reference, name):
+    ref_losses, ref_params = reference
+    result = pool.run(cfg, LAYOUTS[name], STEPS)
+    assert result.losses == pytest.approx(ref_losses, abs=1e-5)
+    assert result.params.keys() == ref_params.keys()
+    for key, value in ref_params.items():
+        torch.testing.assert_close(result.params[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [("fsdp2-full", "pp2-interleaved"), ("pp2-1f1b", "dp2xtp2")],
+    ids=["pp1-to-pp2", "pp2-to-pp1"],
+)
+def test_checkpoint_moves_between_pipeline_layouts(pool, cfg, reference, tmp_path, saved, loaded):
+    """3 steps in one layout, a DCP checkpoint, the last 2 steps in another: still the reference.
+
+    The checkpoint holds the full model's names whatever the pipeline split, so its keys equal a
+    pp=1 checkpoint's, and model and optimizer state reshard across pp on load.
+    """
+    ref_losses, ref_params = reference
+    first = pool.run(cfg, LAYOUTS[saved], 3, checkpoint_dir=str(tmp_path / "a"))
+    second = pool.run(
+        cfg, LAYOUTS[loaded], 2, load_dir=str(tmp_path / "a"), start_step=3,
+        checkpoint_dir=str(tmp_path / "b"),
+    )  # fmt: skip
+    assert first.checkpoint_keys == second.checkpoint_keys
+    assert any(k.startswith("optim.state.layers.3.") for k in first.checkpoint_keys)
+    assert first.losses + second.losses == pytest.approx(ref_losses, abs=1e-5)
+    for key, value in ref_params.items():
+        torch.testing.assert_close(second.params[key], value, atol=1e-5, rtol=0, msg=key)
+    gathered = load_checkpoint_params(str(tmp_path / "b"))
+    assert gathered.keys() == ref_params.keys()
+    for key, value in ref_params.items():
+        torch.testing.assert_close(gathered[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+def test_stage_split_balances_embedding_and_head():
+    from raytrain_dt.parallel.pipeline import stage_indices, stage_layer_counts
+
+    assert stage_layer_counts(4, 2) == [2, 2]
+    assert stage_layer_counts(4, 4) == [1, 1, 1, 1]
+    # The end stages carry the embedding and the head, so they get fewer blocks.
+    assert stage_layer_counts(8, 4) == [2, 3, 2, 1]
+    assert stage_layer_counts(32, 4) == [8, 9, 9, 6]
+    assert stage_indices(1, 2, 2) == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("changes", "key"),
+    [
+        ({"pp_schedule": "1f1b", "virtual_stages": 2}, "parallel.virtual_stages"),
+        ({"pp_schedule": "interleaved", "virtual_stages": 4}, "parallel.pp"),
+        (
+            {"pp_schedule": "interleaved", "virtual_stages": 2, "grad_accum": 3},
+            "trainer.grad_accum",
+        ),
+    ],
+)
+def test_invalid_pipeline_layouts_name_the_key(changes, key):
+    import dataclasses
+
+    from raytrain_dt.parallel.pipeline import validate_pipeline
+
+    layout = dataclasses.replace(_layout(pp=2), **changes)
+    with pytest.raises(ValueError, match=key):
+        validate_pipeline(layout, n_layers=4, tie_embeddings=False)

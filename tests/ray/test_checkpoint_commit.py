@@ -1,0 +1,55 @@
+"""Checkpoints on the shared Ray cluster: async saves commit only when complete, a damaged
+newest checkpoint is skipped on resume, and a failing write fails the save, not the run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from raytrain_dt.control.coordinator import train
+from raytrain_dt.observe.metrics import read_jsonl
+
+pytestmark = pytest.mark.usefixtures("ray_cluster")
+
+
+def test_damaged_newest_checkpoint_falls_back_and_training_continues_exactly(
+    make_config, tmp_path, caplog
+):
+    run_dir = tmp_path / "damaged"
+    overrides = ("trainer.steps=8", "checkpoint.every_steps=4", "engine.zero_stage=3")
+    train(make_config(*overrides, run_dir=run_dir), show_progress=False)
+    uninterrupted = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    committed = [e for e in events if e["event"] == "checkpoint"]
+    assert [e["step"] for e in committed] == [4, 8]
+    assert all(e["stall_s"] < 5 and e["bytes"] > 0 for e in committed)
+
+    shard = sorted((run_dir / "checkpoints" / "step_8").glob("*.distcp"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])  # truncated, as a crashed copy would leave it
+    result = train(make_config(*overrides, "resume=true", run_dir=run_dir), show_progress=False)
+    assert f"{shard.name}: size 100 !=" in caplog.text
+    resumed = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == list(range(1, 9))
+    assert [m["loss"] for m in resumed[4:]] == pytest.approx(
+        [m["loss"] for m in uninterrupted[4:]], abs=1e-6
+    )
+    # The re-trained step 8 was saved and committed again, intact.
+    assert result.latest_checkpoint.endswith("step_8")
+    record = json.loads((run_dir / "checkpoints" / "step_8" / "commit.json").read_text())
+    assert record["files"][shard.name]["size"] > 100
+
+
+def test_failing_write_fails_the_save_not_the_run(make_config, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("a file where the checkpoint directory should be")
+    run_dir = tmp_path / "failing"
+    cfg = make_config("checkpoint.every_steps=2", f"checkpoint.dir={blocker}/ckpt", run_dir=run_dir)
+    result = train(cfg, show_progress=False)
+    assert result.final_step == cfg.trainer.steps
+    assert result.latest_checkpoint is None
+    failures = [
+        e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint_failed"
+    ]
+    assert [e["step"] for e in failures] == [2, 4, 5]
+    assert all(str(blocker) in e["error"] for e in failures)

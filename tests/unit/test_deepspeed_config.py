@@ -1,0 +1,94 @@
+"""The DeepSpeed config generated from ours: batch arithmetic, explicit clipping, ZeRO, dtypes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.engines.deepspeed_engine import deepspeed_config
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.parallel_dims import ParallelDims
+from raytrain_dt.worker.device import DeviceSpec
+
+CPU = DeviceSpec("cpu", "gloo", torch.float32, torch.float32)
+GPU_BF16 = DeviceSpec("cuda", "nccl", torch.bfloat16, torch.float32)
+
+
+def layout(world=2, zero=1, micro_batch=2, grad_accum=2, replicate=1, **kw) -> Layout:
+    dims = ParallelDims(world_size=world, dp_replicate=replicate, dp_shard=world // replicate)
+    return Layout(dims, zero, micro_batch, grad_accum, **kw)
+
+
+@pytest.mark.parametrize(
+    ("world", "micro_batch", "grad_accum", "replicate"),
+    [(1, 8, 1, 1), (2, 2, 2, 1), (4, 1, 2, 2), (8, 4, 3, 1)],
+)
+def test_batch_arithmetic(world, micro_batch, grad_accum, replicate):
+    lay = layout(world, 1, micro_batch, grad_accum, replicate)
+    ds = deepspeed_config(TrainConfig(), lay, CPU)
+    assert ds["train_batch_size"] == lay.global_batch == micro_batch * grad_accum * world
+    assert ds["train_micro_batch_size_per_gpu"] == micro_batch
+    assert ds["gradient_accumulation_steps"] == grad_accum
+    # DeepSpeed checks exactly this identity against the DP world size.
+    assert ds["train_batch_size"] == (
+        ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * world
+    )
+
+
+@pytest.mark.parametrize("clip", [0.0, 0.5, 1.0])
+def test_clipping_is_always_explicit(clip):
+    cfg = TrainConfig()
+    cfg.trainer.grad_clip = clip
+    ds = deepspeed_config(cfg, layout(), CPU)
+    assert "gradient_clipping" in ds and ds["gradient_clipping"] == clip
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_stage_and_no_scheduler_or_optimizer_section(zero):
+    ds = deepspeed_config(TrainConfig(), layout(zero=zero), CPU)
+    assert ds["zero_optimization"]["stage"] == zero
+    assert "offload_optimizer" not in ds["zero_optimization"]
+    # We pass our own AdamW and set the lr every step: DeepSpeed must not build either.
+    assert "scheduler" not in ds and "optimizer" not in ds
+    assert ds["steps_per_print"] >= 2**31 - 1 and ds["wall_clock_breakdown"] is False
+    # ZeRO-3 shards every parameter, as the planner's memory model assumes.
+    assert ("stage3_param_persistence_threshold" in ds["zero_optimization"]) == (zero == 3)
+
+
+def test_offload_optimizer():
+    ds = deepspeed_config(TrainConfig(), layout(zero=2, offload_optimizer=True), CPU)
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    # Torch AdamW runs on the offloaded partitions; no JIT-built DeepSpeedCPUAdam.
+    assert ds["zero_force_ds_cpu_optimizer"] is False
+
+
+def test_bf16_only_with_mixed_precision():
+    fp32 = deepspeed_config(TrainConfig(), layout(), CPU)
+    assert fp32["bf16"]["enabled"] is False and fp32["fp16"]["enabled"] is False
+    assert "communication_data_type" not in fp32
+    bf16 = deepspeed_config(TrainConfig(), layout(), GPU_BF16)
+    assert bf16["bf16"]["enabled"] is True
+    # Gradients are reduced and accumulated in fp32 (DeviceSpec.reduce_dtype), as in FSDP2.
+    assert bf16["communication_data_type"] == "fp32"
+    assert bf16["data_types"]["grad_accum_dtype"] == "fp32"
+
+
+@pytest.mark.parametrize(
+    ("dims", "zero", "key"),
+    [
+        (ParallelDims(world_size=4, dp_shard=2, tp=2), 1, "parallel.tp"),
+        (ParallelDims(world_size=4, dp_shard=2, pp=2), 1, "parallel.pp"),
+        (ParallelDims(world_size=4, dp_shard=2, pp=2), 3, "engine.zero_stage"),
+        (ParallelDims(world_size=4, dp_shard=2, cp=2), 1, "parallel.cp"),
+    ],
+)
+def test_unsupported_layouts_name_the_key(dims, zero, key):
+    with pytest.raises(ValueError, match=key):
+        deepspeed_config(TrainConfig(), Layout(dims, zero, 1, 1), CPU)
+
+
+def test_pp_message_names_zero1_limitation():
+    dims = ParallelDims(world_size=4, dp_shard=2, pp=2)
+    with pytest.raises(ValueError, match="ZeRO-1 \\+ PP is not supported in this version"):
+        deepspeed_config(TrainConfig(), Layout(dims, 1, 1, 1), CPU)
