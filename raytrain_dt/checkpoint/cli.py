@@ -1,4 +1,5 @@
-"""`raytrain-dt ckpt ls|inspect|consolidate`: look at and export checkpoints without a cluster."""
+"""`raytrain-dt ckpt ls|inspect|consolidate|convert`: look at, export and convert checkpoints
+without a cluster."""
 
 from __future__ import annotations
 
@@ -89,6 +90,16 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_convert(args: argparse.Namespace) -> int:
+    from raytrain_dt.checkpoint.convert import convert, run_config
+
+    _, ref = resolve(args.src)
+    ref = convert(ref, args.dst, args.to, args.zero_stage, run_config(ref, args.config))
+    layout = ref.train_state["layout"]
+    print(f"{ref.uri}  engine={args.to} zero={layout['zero_stage']} step={ref.step} (committed)")
+    return 0
+
+
 def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="ckpt_command", required=True)
     p = sub.add_parser("ls", help="list a run's checkpoints with their state")
@@ -102,3 +113,12 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--shard-gb", type=float, default=5.0, help="split the safetensors above this")
     p.set_defaults(func=cmd_consolidate)
+    p = sub.add_parser("convert", help="rewrite a checkpoint for the other engine (1 rank)")
+    p.add_argument("src", help="a run directory or a checkpoint directory")
+    p.add_argument("dst", help="the checkpoints directory to write step_<N> into")
+    p.add_argument("--to", required=True, choices=["fsdp2", "deepspeed"])
+    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
+                   help="ZeRO stage of the written checkpoint (default: the source's)")  # fmt: skip
+    p.add_argument("--config", default=None,
+                   help="the run's config (default: config.yaml next to the checkpoints)")  # fmt: skip
+    p.set_defaults(func=cmd_convert)

@@ -127,6 +127,37 @@ class CheckpointConfig:
 
 
 @dataclass
+class ElasticConfig:
+    # Bounds on the nodes the run uses; below min_nodes it waits (up to wait_timeout_s), then
+    # fails with the latest checkpoint intact. Null max_nodes: every node the cluster offers.
+    min_nodes: int = 1
+    max_nodes: int | None = None
+    # Failure restarts before the run gives up (a repeating failure at one step stops sooner).
+    max_restarts: int = 5
+    # Same step failing this many times in a row is reported as deterministic, not retried.
+    max_failures_at_step: int = 2
+    wait_timeout_s: float = 300.0
+    # No completed step for this long while training: the group is hung and is torn down.
+    hang_timeout_s: float = 60.0
+    # Grow only after new capacity has stayed this long (hysteresis against flapping nodes).
+    grow_stable_s: float = 2.0
+    # Node-local spot notice endpoint (AWS: http://169.254.169.254/latest/meta-data/spot/
+    # instance-action); null disables the watcher.
+    spot_notice_url: str | None = None
+
+
+@dataclass
+class ChaosAction:
+    """Deterministic fault injection for tests and demos."""
+
+    at_step: int = 1
+    # kill_rank | kill_node | preempt_node | add_node | hang_rank
+    action: str = "kill_rank"
+    # A rank for kill_rank/hang_rank; for node actions the node holding that rank.
+    target: int = 0
+
+
+@dataclass
 class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -136,6 +167,8 @@ class TrainConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    chaos: list[ChaosAction] = field(default_factory=list)
     # Continue from the latest checkpoint in the run's checkpoint directory.
     resume: bool = False
 
@@ -151,6 +184,8 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
 _NOT_YET: dict[str, tuple[Any, ...]] = {
     "engine.name": ("fsdp2", "deepspeed"),
 }
+
+CHAOS_ACTIONS = ("kill_rank", "kill_node", "preempt_node", "add_node", "hang_rank")
 
 _POSITIVE = (
     "data.seq_len",
@@ -172,6 +207,11 @@ _POSITIVE = (
     "cluster.memory_per_accelerator_gb",
     "cluster.peak_tflops",
     "cluster.placement_timeout_s",
+    "elastic.min_nodes",
+    "elastic.max_nodes",
+    "elastic.max_failures_at_step",
+    "elastic.wait_timeout_s",
+    "elastic.hang_timeout_s",
     "checkpoint.keep_last",
     "model.dim",
     "model.n_layers",
@@ -188,6 +228,8 @@ _NON_NEGATIVE = (
     "trainer.grad_clip",
     "checkpoint.every_steps",
     "checkpoint.keep_every",
+    "elastic.max_restarts",
+    "elastic.grow_stable_s",
 )
 
 
@@ -226,6 +268,16 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key, supported in _NOT_YET.items():
         if _get(cfg, key) not in supported:
             raise ConfigError(f"{key}: {_get(cfg, key)!r} is not supported by this version yet")
+    for i, action in enumerate(cfg.chaos):
+        if action.action not in CHAOS_ACTIONS:
+            raise ConfigError(
+                f"chaos[{i}].action: {action.action!r} is not one of {', '.join(CHAOS_ACTIONS)}"
+            )
+        if action.at_step < 1:
+            raise ConfigError(f"chaos[{i}].at_step: must be >= 1, got {action.at_step}")
+    e = cfg.elastic
+    if e.max_nodes is not None and e.max_nodes < e.min_nodes:
+        raise ConfigError(f"elastic.max_nodes: {e.max_nodes} < elastic.min_nodes={e.min_nodes}")
     if cfg.data.seq_len < 2:
         raise ConfigError(f"data.seq_len: must be >= 2, got {cfg.data.seq_len}")
     return cfg

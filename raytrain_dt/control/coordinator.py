@@ -1,17 +1,19 @@
-"""The coordinator: the driver-side control plane of one training run.
+"""The coordinator: the driver-side control plane of one training run, as a state machine.
 
-It prepares the run directory and data, connects to Ray, decides the layout, starts the rank
-group, watches it (progress, metrics, ledger, failures), and tears it down. It never imports
-torch.distributed: everything it knows about ranks comes from their reports.
+`while not state.terminal: state = step(state)`. It prepares the run, connects to Ray, asks
+the elastic policy what to do (start, resize, wait, fail), executes the decision with the rank
+group, and watches the group: progress, metrics and ledger, checkpoint commits, dead or hung
+ranks, preemption notices and new nodes. It never imports torch.distributed: everything it
+knows about ranks comes from their reports.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
+import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -19,104 +21,62 @@ from tqdm import tqdm
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.load import to_yaml
 from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.control.chaos import Chaos
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.cluster import (
     ClusterHandle,
     NodeInfo,
     alive_nodes,
     connect,
-    planning_topology,
+    simulated_node_args,
 )
+from raytrain_dt.control.placement import counts_by_node
+from raytrain_dt.control.policies import ElasticPolicy, Fail, Noop, Observation, Resize, Wait
 from raytrain_dt.control.rank_group import RankGroup
-from raytrain_dt.data.pipeline import DataSlice
-from raytrain_dt.data.prepare import prepare_dataset
+from raytrain_dt.control.run_setup import (
+    RunResult,
+    TrainingFailed,
+    model_shape,
+    open_dataset,
+    plan_for_nodes,
+    rank_specs,
+)
+from raytrain_dt.control.states import (
+    Draining,
+    Failed,
+    Finished,
+    Resizing,
+    Restarting,
+    Running,
+    Starting,
+    State,
+    Waiting,
+)
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import ConfigError, UserError
-from raytrain_dt.models.presets import ModelShape, resolve_shape
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
-from raytrain_dt.topology.layout import Layout, Topology
-from raytrain_dt.topology.planner import LayoutPins, Plan, plan
-from raytrain_dt.worker.device import resolve_precision
-from raytrain_dt.worker.spec import RankSpec
 
 log = logging.getLogger(__name__)
 
-DEFAULT_DATA_PATH = "data/stdlib_tokens"
 POLL_INTERVAL_S = 0.1
-
-
-class TrainingFailed(RuntimeError):
-    """One or more ranks failed; the message groups the errors by rank."""
-
-
-@dataclass
-class RunResult:
-    run_dir: str
-    final_step: int
-    last_metrics: dict
-    latest_checkpoint: str | None
-    layout: Layout
-    setup_timings: list[dict] = field(default_factory=list)
-
-
-def model_shape(cfg: TrainConfig) -> ModelShape:
-    m = cfg.model
-    return resolve_shape(
-        m.preset,
-        dim=m.dim,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        vocab_size=m.vocab_size,
-        ffn_hidden=m.ffn_hidden,
-        tie_embeddings=m.tie_embeddings,
-    )
-
-
-def open_dataset(cfg: TrainConfig) -> TokenDataset:
-    """The run's dataset; the default corpus is prepared on first use."""
-    path = Path(cfg.data.path)
-    if not path.exists() and (cfg.data.path == DEFAULT_DATA_PATH or cfg.data.text_glob):
-        log.info(
-            "dataset %s does not exist yet: preparing it from %s",
-            path,
-            cfg.data.text_glob or "the Python standard library sources",
-        )
-        prepare_dataset(path, cfg.data.text_glob, cfg.data.seq_len)
-    return TokenDataset.open(path, cfg.data.seq_len)
-
-
-def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gpu: bool) -> Plan:
-    """Plan the layout for this cluster; whatever the config pins is honoured and validated."""
-    pins = LayoutPins.from_config(cfg)
-    if cfg.engine.name != "fsdp2" and pins.pp is None:
-        # Only the FSDP2 engine runs pipeline stages, so no other engine may be planned onto one.
-        pins = dataclasses.replace(pins, pp=1)
-    return plan(
-        shape,
-        topology,
-        global_batch=cfg.trainer.global_batch,
-        seq_len=cfg.data.seq_len,
-        pins=pins,
-        precision=resolve_precision(cfg.engine.precision, on_gpu),
-    )
+CLUSTER_CHECK_INTERVAL_S = 1.0
 
 
 class Coordinator:
-    def __init__(
-        self, cfg: TrainConfig, ray_temp_dir: str | None = None, show_progress: bool = True
-    ):
+    def __init__(self, cfg: TrainConfig, ray_temp_dir: str | None = None,
+                 show_progress: bool = True, simulated_cluster: object | None = None):  # fmt: skip
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir).resolve()
         self.checkpoint_root = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
         self.store = CheckpointStore(self.checkpoint_root)
         self.ray_temp_dir = ray_temp_dir
         self.show_progress = show_progress
+        self.simulated_cluster = simulated_cluster
         self.shape = model_shape(cfg)
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
-    def _prepare(self) -> tuple[TokenDataset, CheckpointRef | None]:
+    def _prepare(self) -> TokenDataset:
         existing = self.store.committed()
         if existing and not self.cfg.resume:
             raise UserError(
@@ -128,196 +88,294 @@ class Coordinator:
             raise ConfigError(f"model.vocab_size: {self.shape.vocab_size} < 256 byte tokens")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        resume = self.store.latest_valid() if self.cfg.resume else None
-        if self.cfg.resume and resume is None:
-            log.info("resume=true but %s holds no committed checkpoint: starting fresh",
-                     self.checkpoint_root)  # fmt: skip
-        return dataset, resume
+        return dataset
 
-    def _world_size(self, handle: ClusterHandle) -> tuple[int, list[NodeInfo]]:
-        nodes = alive_nodes(handle.accelerator_resource)
-        available = sum(n.accelerators for n in nodes)
-        wanted = self.cfg.cluster.num_ranks or available
-        if wanted > available:
-            raise UserError(
-                f"cluster.num_ranks: {wanted} ranks requested but the cluster has {available} "
-                f"'{handle.accelerator_resource}' on {len(nodes)} nodes"
-            )
-        return wanted, nodes
-
-    def _rank_specs(
-        self, group: RankGroup, layout: Layout, dataset: TokenDataset, resume: CheckpointRef | None
-    ) -> list[RankSpec]:
-        start_step = resume.step if resume else 0
-        consumed = resume.consumed_samples if resume else 0
-        addr, port = group.master
-        specs = []
-        for rank in range(layout.dims.world_size):
-            data = DataSlice(
-                dataset=dataset,
-                shuffle_seed=self.cfg.data.shuffle_seed,
-                consumed_samples=consumed,
-                num_steps=self.cfg.trainer.steps - start_step,
-                global_batch=layout.global_batch,
-                dp=layout.dims.dp,
-                dp_rank=layout.dims.coords(rank).dp,
-                micro_batch=layout.micro_batch,
-            )
-            specs.append(
-                RankSpec(
-                    rank=rank,
-                    layout=layout,
-                    master_addr=addr,
-                    master_port=port,
-                    cfg=self.cfg,
-                    shape=self.shape,
-                    data=data,
-                    start_step=start_step,
-                    end_step=self.cfg.trainer.steps,
-                    checkpoint_root=str(self.checkpoint_root),
-                    resume_from=resume.path if resume else None,
-                )
-            )
-        return specs
-
-    # --- the run -----------------------------------------------------------------------------
     def run(self) -> RunResult:
-        dataset, resume = self._prepare()
+        self.dataset = self._prepare()
         handler = setup_driver_logging(self.run_dir)
         try:
             with connect(self.cfg.cluster, self.ray_temp_dir) as handle:
-                return self._train(handle, dataset, resume)
+                return self._run(handle)
         finally:
             logging.getLogger("raytrain_dt").removeHandler(handler)
             handler.close()
 
-    def _train(
-        self, handle: ClusterHandle, dataset: TokenDataset, resume: CheckpointRef | None
-    ) -> RunResult:
-        world_size, nodes = self._world_size(handle)
-        topology = planning_topology(
-            self.cfg.cluster, handle.accelerator_resource, nodes, world_size
-        )
-        planned = choose_layout(
-            self.cfg, self.shape, topology, handle.accelerator_resource == "GPU"
-        )
-        layout = planned.best.layout
-        (self.run_dir / "plan.json").write_text(json.dumps(planned.to_json(), indent=2))
-        (self.run_dir / "layout.json").write_text(json.dumps(layout.as_dict(), indent=2))
-        log.info(
-            "layout: %s on %d ranks (%s): %s; run dir %s",
-            layout.describe(),
-            layout.dims.world_size,
-            handle.mode,
-            planned.best.reason,
-            self.run_dir,
-        )
-        recorder = RunRecorder(self.run_dir, resume.step if resume else 0)
-        recorder.event(
-            "start", layout=layout.as_dict(), resumed_from=resume.path if resume else None
-        )
-        group = RankGroup(
-            str(self.run_dir), handle.accelerator_resource, self.cfg.cluster.cpus_per_rank
-        )
-        try:
-            group.start(
-                layout.dims.world_size,
-                [n.accelerators for n in nodes],
-                layout.dims.tp,
-                self.cfg.cluster.placement_timeout_s,
-            )
-            recorder.event("placed", node_ids=[p["node_id"] for p in group.placement])
-            specs = self._rank_specs(group, layout, dataset, resume)
-            timings = group.call("setup", [(s,) for s in specs])
-            group.call("start")
-            final_step = self._monitor(group, layout, recorder, resume.step if resume else 0)
-            recorder.event("finish", step=final_step)
-        finally:
-            group.shutdown()
-            recorder.close()
-        committed = self.store.committed()
-        latest = committed[-1] if committed else None
-        return RunResult(
+    # --- the state machine -------------------------------------------------------------------
+    def _run(self, handle: ClusterHandle) -> RunResult:
+        self.handle = handle
+        self.resource = handle.accelerator_resource
+        self.policy = ElasticPolicy(self.cfg.elastic, self._plan_for)
+        self.chaos = Chaos(list(self.cfg.chaos), self.simulated_cluster or handle.simulated,
+                           simulated_node_args(self.cfg.cluster, self.resource))  # fmt: skip
+        self.group = RankGroup(
             str(self.run_dir),
-            final_step,
-            recorder.last_metrics,
-            latest.path if latest else None,
-            layout,
-            timings,
+            self.resource,
+            self.cfg.cluster.cpus_per_rank,
+            runtime_env=storage_runtime_env(),
         )
-
-    def _monitor(
-        self, group: RankGroup, layout: Layout, recorder: RunRecorder, start_step: int
-    ) -> int:
-        steps = self.cfg.trainer.steps
-        dp_of = [layout.dims.coords(r).dp for r in range(layout.dims.world_size)]
-        step = start_step
-        checkpoints = CheckpointTracker(
-            self.store,
-            layout.dims.world_size,
-            recorder,
-            self.cfg.checkpoint.keep_last,
-            self.cfg.checkpoint.keep_every,
-        )
-        bar = tqdm(
-            total=steps,
-            initial=start_step,
-            desc="train",
-            unit="step",
-            disable=not self.show_progress,
-            dynamic_ncols=True,
-        )
+        self.recorder = RunRecorder(self.run_dir, self._resume_point()[1])
+        self.layout, self.layout_nodes, self.step = None, (), 0
+        self.restarts, self.failures_at_step, self.failed_step = 0, 0, -1
+        self.draining: set[str] = set()
+        # Nodes whose actors died with their node: excluded before Ray's health check says so.
+        self.lost_nodes: set[str] = set()
+        self.timings: list[dict] = []
+        self.bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step",
+                        disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
+        state: State = Starting()
         try:
-            while True:
-                statuses = group.poll()
-                for status in statuses:
-                    for report in status["reports"]:
-                        if report["kind"] == "step":
-                            if "sample_ids" in report:
-                                recorder.step_samples(
-                                    report["step"],
-                                    dp_of[status["rank"]],
-                                    layout.dims.dp,
-                                    report["sample_ids"],
-                                )
-                            if "loss" in report:
-                                recorder.step_metrics(
-                                    report, layout.dims.world_size, layout.describe()
-                                )
-                                bar.update(report["step"] - step)
-                                step = report["step"]
-                                bar.set_postfix(
-                                    loss=f"{report['loss']:.4f}",
-                                    tok_s=f"{report['tokens_per_s']:.0f}",
-                                )
-                        else:
-                            checkpoints.on_report(report)
-                failed = [s for s in statuses if s["state"] == "failed"]
-                if failed:
-                    recorder.event("failed", ranks=[s["rank"] for s in failed])
-                    raise TrainingFailed(_group_errors(failed))
-                if all(s["state"] == "done" for s in statuses):
-                    return step
-                time.sleep(POLL_INTERVAL_S)
+            while not state.terminal:
+                new_state = self._step(state)
+                if type(new_state) is not type(state):
+                    self.recorder.event("transition", old=type(state).__name__.lower(),
+                                        new=type(new_state).__name__.lower(),
+                                        reason=getattr(new_state, "reason", None))  # fmt: skip
+                state = new_state
         finally:
-            bar.close()
+            self.bar.close()
+            self.group.shutdown()
+            self.recorder.close()
+        if isinstance(state, Failed):
+            raise TrainingFailed(state.reason)
+        committed = self.store.committed()
+        return RunResult(str(self.run_dir), state.step, self.recorder.last_metrics,
+                         committed[-1].uri if committed else None, self.layout, self.timings)  # fmt: skip
+
+    def _step(self, state: State) -> State:
+        if isinstance(state, Starting | Waiting):
+            return self._decide(
+                self._observe("ok"), waiting=state if isinstance(state, Waiting) else None
+            )
+        if isinstance(state, Running):
+            return self._watch()
+        if isinstance(state, Draining):
+            return self._drain(state)
+        if isinstance(state, Resizing | Restarting):
+            return self._form(state)
+        raise AssertionError(f"unhandled state {state}")
+
+    def _observe(self, health: str) -> Observation:
+        listed = alive_nodes(self.resource)
+        self.lost_nodes &= {n.node_id for n in listed}  # forget them once Ray agrees
+        nodes = tuple(n for n in listed if n.node_id not in self.lost_nodes)
+        key = tuple(n.node_id for n in nodes)
+        if key != getattr(self, "_nodes_key", None):
+            self._nodes_key, self._nodes_since = key, time.time()
+        return Observation(
+            now=time.time(), nodes=nodes, draining=frozenset(self.draining), layout=self.layout,
+            layout_nodes=self.layout_nodes, health=health, step=self.step,
+            restarts=self.restarts, failures_at_step=self.failures_at_step,
+            nodes_stable_since=self._nodes_since,
+        )  # fmt: skip
+
+    def _decide(self, obs: Observation, waiting: Waiting | None = None) -> State:
+        if waiting is not None:
+            obs = replace(obs, waiting_since=waiting.since)
+        decision = self.policy.decide(obs)
+        if not isinstance(decision, Noop):
+            self.recorder.event("decision", decision=type(decision).__name__.lower(), reason=decision.reason,
+                                health=obs.health, step=obs.step)  # fmt: skip
+            log.info("decision: %s", decision.reason)
+        if isinstance(decision, Fail):
+            return Failed(decision.reason)
+        if isinstance(decision, Wait):
+            if waiting is None:
+                log.warning("waiting: %s", decision.reason)
+            time.sleep(1.0)
+            return Waiting(decision.reason, waiting.since if waiting else obs.now)
+        if isinstance(decision, Resize):
+            if decision.checkpoint_first and self.layout is not None:
+                return Draining(decision)
+            return Restarting(decision) if obs.health in ("failed", "hung") else Resizing(decision)
+        return Running()
+
+    def _plan_for(self, nodes: tuple[NodeInfo, ...]):
+        planned = plan_for_nodes(self.cfg, self.shape, self.resource, nodes)
+        if planned is None:
+            return None
+        self._last_plan = planned
+        return planned.best.layout
+
+    def _resume_point(self) -> tuple[CheckpointRef | None, int]:
+        ref = self.store.latest_valid() if self.cfg.resume else None
+        return ref, (ref.step if ref else 0)
+
+    # --- executing a Resize: (re)form the group ----------------------------------------------
+    def _form(self, state: Resizing | Restarting) -> State:
+        decision = state.decision
+        started = time.perf_counter()
+        old = self.layout
+        if self.group.slots:
+            broken = self.group.try_call("teardown", timeout_s=30)
+            self.group.drop(broken)  # hung or dead actors cannot be reused
+        resume, resume_step = self._resume_point()
+        self.recorder.rewind(resume_step)
+        self.chaos.fired.update(
+            i for i, a in enumerate(self.chaos.actions) if a.at_step <= resume_step
+        )
+        nodes = {n.node_id: n.accelerators for n in self._observe("ok").nodes}
+        counts = counts_by_node(decision.layout.dims.world_size, decision.layout.dims.tp,
+                                [(n, nodes[n]) for n in decision.nodes if n in nodes])  # fmt: skip
+        self.group.form(counts, self.cfg.cluster.placement_timeout_s)
+        formed = time.perf_counter()
+        cfg = replace(self.cfg, chaos=self.chaos.remaining())
+        specs = rank_specs(cfg, self.shape, decision.layout, self.dataset, self.group.master_endpoint(),
+                           self.checkpoint_root, resume)  # fmt: skip
+        setup = self.group.call("setup", [(s,) for s in specs])
+        self.group.call("start")
+        self.layout, self.layout_nodes = decision.layout, tuple(sorted(counts))
+        self.step = resume_step
+        self.bar.n = resume_step
+        self.tracker = CheckpointTracker(self.store, decision.layout.dims.world_size, self.recorder,
+                                         self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)  # fmt: skip
+        self.last_progress = time.time()
+        self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
+                             "setup_s": time.perf_counter() - formed, "ranks": setup})  # fmt: skip
+        (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
+        if hasattr(self, "_last_plan"):
+            (self.run_dir / "plan.json").write_text(json.dumps(self._last_plan.to_json(), indent=2))
+        self.recorder.event(
+            "resize" if old is not None else "start", reason=decision.reason,
+            old_layout=old.as_dict() if old else None, new_layout=decision.layout.as_dict(),
+            resumed_from=resume.uri if resume else None, resumed_step=resume_step,
+            lost_steps=max(0, self._failure_step - resume_step) if isinstance(state, Restarting) else 0,
+            form_s=formed - started, setup_s=time.perf_counter() - formed,
+            node_ids=[s.node_id for s in self.group.slots],
+        )  # fmt: skip
+        self._pending_first_step = time.perf_counter()
+        self._form_started = started
+        return Running()
+
+    @property
+    def _failure_step(self) -> int:
+        return max(self.step, self.failed_step)
+
+    # --- running -----------------------------------------------------------------------------
+    def _handle_reports(self, statuses: list[dict]) -> None:
+        dims = self.layout.dims
+        for status in statuses:
+            for report in status["reports"]:
+                kind = report["kind"]
+                if kind == "step":
+                    if "sample_ids" in report:
+                        self.recorder.step_samples(report["step"], dims.coords(status["rank"]).dp,
+                                                   dims.dp, report["sample_ids"])  # fmt: skip
+                    if "loss" in report:
+                        self._on_step(report)
+                elif kind != "stopped":
+                    self.tracker.on_report(report)
+
+    def _on_step(self, report: dict) -> None:
+        self.recorder.step_metrics(report, self.layout.dims.world_size, self.layout.describe())
+        self.bar.update(report["step"] - self.bar.n)
+        self.bar.set_postfix(loss=f"{report['loss']:.4f}", tok_s=f"{report['tokens_per_s']:.0f}",
+                             world=self.layout.dims.world_size)  # fmt: skip
+        self.step, self.last_progress = report["step"], time.time()
+        if self.failed_step < self.step:
+            self.failures_at_step = 0
+        if self._pending_first_step is not None:
+            self.recorder.event("first_step", step=self.step,
+                                since_form_s=time.perf_counter() - self._form_started)  # fmt: skip
+            self._pending_first_step = None
+
+    def _watch(self) -> State:
+        statuses = self.group.poll()
+        self._handle_reports(statuses)
+        broken = [s for s in statuses if s["state"] in ("failed", "dead", "unresponsive")]
+        if broken:
+            return self._on_failure("failed", broken)
+        if all(s["state"] == "done" for s in statuses):
+            return Finished(self.step)
+        if time.time() - self.last_progress > self.cfg.elastic.hang_timeout_s:
+            log.warning(
+                "no step completed for %.0fs: the group is hung", self.cfg.elastic.hang_timeout_s
+            )
+            return self._on_failure("hung", [])
+        self._fire_node_chaos()
+        if time.time() - getattr(self, "_last_cluster_check", 0) > CLUSTER_CHECK_INTERVAL_S:
+            self._last_cluster_check = time.time()
+            state = self._decide(self._observe("notice" if self.draining else "ok"))
+            if not isinstance(state, Running):
+                return state
+        time.sleep(POLL_INTERVAL_S)
+        return Running()
+
+    def _on_failure(self, health: str, broken: list[dict]) -> State:
+        errors = {
+            s["rank"]: (s.get("error") or s["state"]).strip().splitlines()[-1] for s in broken
+        }
+        self.recorder.event("failure", health=health, step=self.step, ranks=errors)
+        log.warning("ranks %s %s at step %d: %s", sorted(errors), health, self.step + 1, errors)
+        self.failures_at_step = self.failures_at_step + 1 if self.failed_step == self.step else 1
+        self.failed_step = self.step
+        self.restarts += 1
+        self.chaos.mark_rank_faults_fired(self.step + 1)
+        if health == "hung":
+            self.group.drop(
+                list(range(self.group.world_size))
+            )  # stuck in a collective: replace all
+        else:
+            self.group.drop([s["rank"] for s in broken if s["state"] != "failed"])
+        return self._decide(self._observe(health))
+
+    def _drain(self, state: Draining) -> State:
+        """Save at the next step boundary and stop there; resize once it is committed."""
+        self.group.try_call("request_checkpoint_and_stop", timeout_s=30)
+        deadline = time.time() + self.cfg.elastic.hang_timeout_s
+        while True:
+            if time.time() > deadline:
+                return self._on_failure("hung", [])
+            statuses = self.group.poll()
+            self._handle_reports(statuses)
+            broken = [s for s in statuses if s["state"] in ("failed", "dead", "unresponsive")]
+            if broken:
+                return self._on_failure("failed", broken)
+            if all(s["state"] == "done" for s in statuses):
+                latest = self.store.committed()
+                if latest and latest[-1].step == self.step:
+                    break
+            time.sleep(POLL_INTERVAL_S)
+        self.recorder.event("drained", step=self.step, reason=state.decision.reason)
+        for i, action in self.chaos.due_node_actions(self.step):
+            if action.action == "preempt_node":  # the notice has been served: reclaim the node
+                self.chaos.fired.add(i)
+                self.chaos.kill_node(self._node_of_rank(action.target))
+        self.draining.clear()
+        # Re-plan now: the node under notice may be gone, or the capacity may have changed.
+        decision = self.policy.decide(replace(self._observe("ok"), layout=None))
+        if isinstance(decision, Resize):
+            return Resizing(replace(decision, reason=state.decision.reason))
+        return self._decide(self._observe("ok"))
+
+    def _node_of_rank(self, rank: int) -> str:
+        return self.group.slots[min(rank, self.group.world_size - 1)].node_id
+
+    def _fire_node_chaos(self) -> None:
+        for i, action in self.chaos.due_node_actions(self.step):
+            if action.action == "kill_node":
+                self.chaos.fired.add(i)
+                self.chaos.kill_node(self._node_of_rank(action.target))
+            elif action.action == "add_node":
+                self.chaos.fired.add(i)
+                self.chaos.add_node()
+            elif action.action == "preempt_node" and not self.draining:
+                node = self._node_of_rank(action.target)
+                self.draining.add(node)
+                self.recorder.event("preemption_notice", node=node, step=self.step)
 
 
-def _group_errors(failed: list[dict]) -> str:
-    """One block per distinct error, listing the ranks that hit it."""
-    by_error: dict[str, list[int]] = {}
-    for status in failed:
-        by_error.setdefault(status["error"].strip(), []).append(status["rank"])
-    return "\n".join(f"ranks {ranks}:\n{error}" for error, ranks in by_error.items())
+def storage_runtime_env() -> dict | None:
+    """The driver's AWS_* settings (credentials, region, AWS_ENDPOINT_URL) for the rank actors.
+
+    Actors run in worker processes of raylets that may have started before this driver set
+    them, so without this they would not see the storage the checkpoints go to.
+    """
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    return {"env_vars": env} if env else None
 
 
 def train(cfg: TrainConfig, **kwargs) -> RunResult:
     return Coordinator(cfg, **kwargs).run()
 
 
-def replace_config(cfg: TrainConfig, **sections) -> TrainConfig:
-    """A copy of cfg with some fields of some sections replaced (tests, API)."""
-    changes = {
-        name: dataclasses.replace(getattr(cfg, name), **fields) for name, fields in sections.items()
-    }
-    return dataclasses.replace(cfg, **changes)
+__all__ = ["Coordinator", "RunResult", "TrainingFailed", "train"]

@@ -30,6 +30,13 @@ def ranks_per_node(world_size: int, node_capacities: list[int], tp: int) -> list
     return counts
 
 
+def counts_by_node(world_size: int, tp: int, nodes: list[tuple[str, int]]) -> dict[str, int]:
+    """node id -> ranks to place there, for nodes given as (node id, capacity)."""
+    counts = ranks_per_node(world_size, [capacity for _, capacity in nodes], tp)
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][1], i))
+    return {nodes[order[i]][0]: count for i, count in enumerate(counts)}
+
+
 def assign_ranks(reports: list[dict]) -> list[int]:
     """actor position -> rank: grouped by reported node id (sorted), then by actor index."""
     order = sorted(

@@ -1,18 +1,32 @@
-"""The rank group: rank actors in a node-shaped placement group, and calls fanned out to them.
+"""The rank group: rank actors in node-shaped placement groups, reused across layouts.
 
-It is the only place the coordinator touches Ray actors. Ray's errors for dead actors and
-nodes propagate from `poll` at once, so failure detection does not wait for a deadline.
+Each batch of actors created on one node shares one STRICT_PACK placement group targeted at
+that node, so a node's accelerators are reserved together and a lost node takes only its own
+groups with it. On a resize the surviving actors are kept (their process group is destroyed,
+their Python and torch stay loaded), missing ones are created on the nodes the new layout
+uses, and ranks are assigned from the node ids the actors report. This is the only place the
+coordinator touches Ray actors; a dead actor shows up in `poll` at once as state "dead".
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 
-from raytrain_dt.control.placement import assign_ranks, ranks_per_node
+from raytrain_dt.control.placement import assign_ranks
 from raytrain_dt.errors import UserError
 
 log = logging.getLogger(__name__)
+
+
+@dataclass
+class ActorSlot:
+    handle: object
+    node_id: str
+    actor_index: int
+    ip: str
+    pg: object
 
 
 class RankGroup:
@@ -23,10 +37,10 @@ class RankGroup:
         self.resource = resource
         self.cpus_per_rank = cpus_per_rank
         self.runtime_env = runtime_env or {}
-        self.pg = None
-        self.actors: list = []  # ordered by rank after start()
-        self.placement: list[dict] = []  # per rank: node_id, ip, pid, port
+        self.slots: list[ActorSlot] = []  # ordered by rank once `form` has run
+        self._next_index = 0
 
+    # --- placement ---------------------------------------------------------------------------
     def _actor_options(self) -> dict:
         if self.resource == "CPU":
             return {"num_cpus": 1}
@@ -34,57 +48,74 @@ class RankGroup:
             return {"num_gpus": 1, "num_cpus": self.cpus_per_rank}
         return {"num_cpus": self.cpus_per_rank, "resources": {self.resource: 1}}
 
-    def _bundle(self, count: int) -> dict:
-        per_rank = self._actor_options()
-        bundle = {"CPU": per_rank.get("num_cpus", 0) * count}
-        if self.resource == "GPU":
-            bundle["GPU"] = count
-        elif self.resource != "CPU":
-            bundle[self.resource] = count
+    def _bundle(self) -> dict:
+        options = self._actor_options()
+        bundle = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0)}
+        bundle.update(options.get("resources", {}))
         return {k: v for k, v in bundle.items() if v}
 
-    def start(self, world_size: int, node_capacities: list[int], tp: int, timeout_s: float) -> None:
+    def _create_on_node(self, node_id: str, count: int, timeout_s: float) -> list[ActorSlot]:
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from raytrain_dt.worker.rank_actor import RankWorker
 
-        counts = ranks_per_node(world_size, node_capacities, tp)
-        self.pg = placement_group([self._bundle(c) for c in counts], strategy="STRICT_SPREAD")
+        pg = placement_group(
+            [self._bundle()] * count, strategy="STRICT_PACK", _soft_target_node_id=node_id
+        )
         try:
-            ray.get(self.pg.ready(), timeout=timeout_s)
+            ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
-            ray.util.remove_placement_group(self.pg)
+            ray.util.remove_placement_group(pg)
             raise UserError(
-                f"cluster.placement_timeout_s: no room for {world_size} ranks as {counts} per node "
-                f"on {self.resource} within {timeout_s:.0f}s"
+                f"cluster.placement_timeout_s: no room for {count} ranks of {self.resource} on "
+                f"node {node_id[:12]} within {timeout_s:.0f}s"
             ) from exc
         actor_cls = ray.remote(RankWorker)
-        actors = []
-        for bundle_index, count in enumerate(counts):
-            for _ in range(count):
-                actors.append(
-                    actor_cls.options(
-                        **self._actor_options(),
-                        runtime_env=self.runtime_env or None,
-                        scheduling_strategy=PlacementGroupSchedulingStrategy(
-                            placement_group=self.pg, placement_group_bundle_index=bundle_index
-                        ),
-                    ).remote(self.run_dir, len(actors))
-                )
-        reports = ray.get([a.where.remote() for a in actors])
-        ranks = assign_ranks(reports)
-        self.actors = [None] * len(actors)
-        self.placement = [{}] * len(actors)
-        for position, rank in enumerate(ranks):
-            self.actors[rank] = actors[position]
-            self.placement[rank] = reports[position]
-        log.info("placed %d ranks on %d nodes as %s", world_size, len(counts), counts)
+        handles = []
+        for bundle_index in range(count):
+            handles.append(actor_cls.options(
+                **self._actor_options(),
+                runtime_env=self.runtime_env or None,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    placement_group=pg, placement_group_bundle_index=bundle_index
+                ),
+            ).remote(self.run_dir, self._next_index + bundle_index))  # fmt: skip
+        self._next_index += count
+        reports = ray.get([h.where.remote() for h in handles])
+        return [
+            ActorSlot(h, r["node_id"], r["actor_index"], r["ip"], pg)
+            for h, r in zip(handles, reports)
+        ]
 
+    def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
+        """Have exactly counts_by_node[node] actors on each node: keep survivors, create the
+        missing ones, release the rest. Then order slots by rank."""
+        keep: list[ActorSlot] = []
+        spare = list(self.slots)
+        for node_id, count in counts_by_node.items():
+            here = [s for s in spare if s.node_id == node_id][:count]
+            for slot in here:
+                spare.remove(slot)
+            keep += here
+            if count > len(here):
+                keep += self._create_on_node(node_id, count - len(here), timeout_s)
+        reports = [{"node_id": s.node_id, "actor_index": s.actor_index} for s in keep]
+        ranks = assign_ranks(reports)
+        self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]
+        self._release(spare)
+        log.info("rank group: %s", {n[:12]: c for n, c in counts_by_node.items()})
+
+    # --- calls -------------------------------------------------------------------------------
     @property
-    def master(self) -> tuple[str, int]:
-        return self.placement[0]["ip"], self.placement[0]["port"]
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    def master_endpoint(self) -> tuple[str, int]:
+        import ray
+
+        return self.slots[0].ip, ray.get(self.slots[0].handle.free_port.remote())
 
     def call(
         self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None
@@ -93,20 +124,59 @@ class RankGroup:
         import ray
 
         refs = [
-            getattr(actor, method).remote(*(per_rank_args[rank] if per_rank_args else ()))
-            for rank, actor in enumerate(self.actors)
+            getattr(slot.handle, method).remote(*(per_rank_args[rank] if per_rank_args else ()))
+            for rank, slot in enumerate(self.slots)
         ]
         return ray.get(refs, timeout=timeout_s)
 
-    def poll(self, timeout_s: float = 60.0) -> list[dict]:
-        return self.call("poll", timeout_s=timeout_s)
-
-    def shutdown(self) -> None:
+    def poll(self, timeout_s: float = 30.0) -> list[dict]:
+        """Every rank's status; an actor that died (or whose node died) is state "dead"."""
         import ray
 
-        for actor in self.actors:
+        refs = [slot.handle.poll.remote() for slot in self.slots]
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        statuses = []
+        for rank, ref in enumerate(refs):
+            try:
+                statuses.append(ray.get(ref, timeout=0.5))
+            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
+                dead = isinstance(exc, ray.exceptions.RayActorError)
+                statuses.append({"rank": rank, "state": "dead" if dead else "unresponsive",
+                                 "reports": [], "error": f"{type(exc).__name__}: {exc}",
+                                 "node_id": self.slots[rank].node_id})  # fmt: skip
+        return statuses
+
+    def try_call(self, method: str, timeout_s: float = 30.0) -> list[int]:
+        """Call `method` on every rank, tolerating dead ones; returns the ranks that failed."""
+        import ray
+
+        refs = [getattr(slot.handle, method).remote() for slot in self.slots]
+        failed = []
+        for rank, ref in enumerate(refs):
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception:
+                failed.append(rank)
+        return failed
+
+    def drop(self, ranks: list[int]) -> None:
+        """Kill these ranks' actors and forget them (dead, hung or on a lost node)."""
+        doomed = [self.slots[r] for r in ranks]
+        self.slots = [s for s in self.slots if s not in doomed]
+        self._release(doomed)
+
+    def _release(self, slots: list[ActorSlot]) -> None:
+        import ray
+
+        for slot in slots:
             with contextlib.suppress(Exception):  # already dead
-                ray.kill(actor)
-        if self.pg is not None:
-            ray.util.remove_placement_group(self.pg)
-        self.actors, self.pg = [], None
+                ray.kill(slot.handle)
+        still_used = {id(s.pg) for s in self.slots}
+        for pg in {id(s.pg): s.pg for s in slots}.values():
+            if id(pg) not in still_used:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(pg)
+
+    def shutdown(self) -> None:
+        slots, self.slots = self.slots, []
+        self._release(slots)

@@ -56,6 +56,15 @@ class RunRecorder:
         self._pending_ids: dict[int, dict[int, list[int]]] = {}
         self.last_metrics: dict = {}
 
+    def rewind(self, step: int) -> None:
+        """Forget step records after `step`: a restart from that checkpoint trains them again."""
+        for log in (self.metrics, self.ledger):
+            log.close()
+            truncate_after_step(log.path, step)
+        self.metrics = JsonlLog(self.metrics.path)
+        self.ledger = JsonlLog(self.ledger.path)
+        self._pending_ids.clear()
+
     def event(self, kind: str, **fields) -> None:
         self.events.write({"time": time.time(), "event": kind, **fields})
 

@@ -36,21 +36,29 @@ class RankCheckpointer:
         self.write_group = dist.new_group(backend="gloo")
         self.agree_group = dist.new_group(backend="gloo")
         self.requested = threading.Event()
+        self.stop_requested = threading.Event()
         self._pending: tuple[int, Future] | None = None
 
     # --- requests ----------------------------------------------------------------------------
-    def request(self) -> None:
-        """Ask for a save at the next step boundary (preemption notice, resize)."""
+    def request(self, stop: bool = False) -> None:
+        """Ask for a save at the next step boundary (preemption notice, resize), and with
+        `stop` for the loop to end right after it."""
+        if stop:
+            self.stop_requested.set()
         self.requested.set()
 
-    def agree_requested(self) -> bool:
-        """True on every rank if any rank was asked to save: all ranks reach the same step
-        boundary with the same answer, so the save's collectives line up."""
-        flag = torch.tensor([1 if self.requested.is_set() else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.agree_group)
-        if flag.item():
+    def agree_requested(self) -> tuple[bool, bool]:
+        """(save, stop), the same on every rank: if any rank was asked, all ranks act at this
+        very step boundary, so the save's collectives line up."""
+        local = [self.requested.is_set(), self.stop_requested.is_set()]
+        flags = torch.tensor([int(f) for f in local], dtype=torch.int32)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agree_group)
+        save, stop = bool(flags[0]), bool(flags[1])
+        if save:
             self.requested.clear()
-        return bool(flag.item())
+        if stop:
+            self.stop_requested.clear()
+        return save, stop
 
     # --- saving ------------------------------------------------------------------------------
     def save(self, uri: str, step: int) -> None:

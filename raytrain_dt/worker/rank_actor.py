@@ -157,6 +157,7 @@ class RankWorker:
                 self._save,
                 self._stop,
                 self.checkpointer.agree_requested,
+                self._chaos,
             )
             self.checkpointer.wait()  # the last save is written before the rank reports done
             self._done = True
@@ -180,9 +181,29 @@ class RankWorker:
             }})  # fmt: skip
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
 
-    def request_checkpoint(self) -> None:
-        """Save at the next step boundary (all ranks agree on which one)."""
-        self.checkpointer.request()
+    def request_checkpoint(self, stop: bool = False) -> None:
+        """Save at the next step boundary (all ranks agree on which one); with `stop`, end
+        training right after that save (drain before a resize or preemption)."""
+        self.checkpointer.request(stop)
+
+    def request_checkpoint_and_stop(self) -> None:
+        self.checkpointer.request(stop=True)
+
+    def _chaos(self, step: int) -> None:
+        """Injected faults aimed at this rank, at the start of `step` (tests and demos). The
+        coordinator drops actions that already fired from the config of later layouts."""
+        for action in self.spec.cfg.chaos:
+            if action.at_step != step or action.target != self.spec.rank:
+                continue
+            if action.action == "kill_rank":
+                log.warning("chaos: rank %d exits at step %d", self.spec.rank, step)
+                os._exit(1)
+            if action.action == "hang_rank":
+                log.warning("chaos: rank %d hangs at step %d", self.spec.rank, step)
+                threading.Event().wait()
+
+    def free_port(self) -> int:
+        return free_port()
 
     def poll(self) -> dict:
         reports = []
@@ -214,8 +235,11 @@ class RankWorker:
             self._thread.join(timeout_s)
 
     def teardown(self) -> None:
+        """Leave the current layout: end the loop, free model and data, destroy the process
+        group. The actor (and its imported torch) stays for the next layout."""
         self.stop()
         self.engine = None
+        self.checkpointer = None
         self._batches = None
         if dist.is_initialized():
             dist.destroy_process_group()

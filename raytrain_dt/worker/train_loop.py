@@ -35,13 +35,16 @@ def run_loop(
     report: Callable[[dict], None],
     save_checkpoint: Callable[[int, int], None],
     stop: threading.Event,
-    agree_save_requested: Callable[[], bool] = lambda: False,
-) -> None:
+    agree_save_requested: Callable[[], tuple[bool, bool]] = lambda: (False, False),
+    chaos: Callable[[int], None] = lambda step: None,
+) -> int:
+    """Train steps [start_step, end_step); returns the number of steps completed in total."""
     consumed = spec.consumed_samples
     tokens_per_step = spec.global_batch * spec.seq_len
     for step in range(spec.start_step, spec.end_step):
         if stop.is_set():
-            return
+            return step
+        chaos(step + 1)  # fault injection for tests: may exit or hang this rank
         started = time.perf_counter()
         micro = [next(batches) for _ in range(spec.grad_accum)]
         data_wait = time.perf_counter() - started
@@ -63,9 +66,13 @@ def run_loop(
         report(record)
         completed = step + 1
         # Collective: every rank gets the same answer at the same boundary.
-        requested = agree_save_requested()
+        requested, stop_now = agree_save_requested()
         scheduled = spec.checkpoint_every and (
             completed % spec.checkpoint_every == 0 or completed == spec.end_step
         )
-        if scheduled or requested:
+        if scheduled or requested or stop_now:
             save_checkpoint(completed, consumed)
+        if stop_now:
+            report({"kind": "stopped", "step": completed})
+            return completed
+    return spec.end_step

@@ -11,18 +11,18 @@ from reference import reference_run
 
 from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
 from raytrain_dt.control.coordinator import train
-from raytrain_dt.control.placement import tp_groups_on_one_node
+from raytrain_dt.control.placement import counts_by_node, tp_groups_on_one_node
 from raytrain_dt.control.rank_group import RankGroup
 from raytrain_dt.observe.metrics import read_jsonl
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
 
 def _placed_nodes(tmp_path, dims: ParallelDims) -> list[str]:
-    capacities = [n.accelerators for n in alive_nodes(SIMULATED_ACCELERATOR)]
+    nodes = [(n.node_id, n.accelerators) for n in alive_nodes(SIMULATED_ACCELERATOR)]
     group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
     try:
-        group.start(dims.world_size, capacities, dims.tp, timeout_s=60)
-        return [p["node_id"] for p in group.placement]
+        group.form(counts_by_node(dims.world_size, dims.tp, nodes), timeout_s=60)
+        return [slot.node_id for slot in group.slots]
     finally:
         group.shutdown()
 
@@ -40,7 +40,7 @@ def test_two_nodes_tp_groups_stay_on_one_node(ray_cluster, tmp_path, dims):
 
 
 def test_three_nodes_tp_groups_stay_on_one_node(ray_cluster, tmp_path):
-    extra = ray_cluster.add_node(num_cpus=4, resources={SIMULATED_ACCELERATOR: 2})
+    extra = ray_cluster.add_node(num_cpus=1, resources={SIMULATED_ACCELERATOR: 2})
     try:
         ray_cluster.wait_for_nodes()
         dims = ParallelDims(world_size=6, dp_shard=3, tp=2)
@@ -58,7 +58,7 @@ def test_dp2_tp2_on_two_nodes_equals_single_process(ray_cluster, make_config):
     metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
     ref_losses, _ = reference_run(cfg, cfg.trainer.steps)
     assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
-    placed = next(e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["event"] == "placed")
+    placed = next(e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["event"] == "start")
     assert len(set(placed["node_ids"])) == 2
     assert tp_groups_on_one_node(result.layout.dims, placed["node_ids"])
     plan = json.loads((Path(result.run_dir) / "plan.json").read_text())
