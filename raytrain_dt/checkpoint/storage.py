@@ -39,6 +39,7 @@ class Location:
         return Location(self.fs, joined_path, joined_uri)
 
     def exists(self) -> bool:
+        self.fs.invalidate_cache(self.path)
         return self.fs.exists(self.path)
 
     def read_json(self) -> dict:
@@ -60,6 +61,9 @@ class Location:
 
     def files(self) -> dict[str, int]:
         """Relative path -> size of every file below this location."""
+        # Object stores' listings are cached per process (s3fs's dircache); other processes
+        # (the ranks) write here, so always list afresh.
+        self.fs.invalidate_cache(self.path)
         if not self.fs.exists(self.path):
             return {}
         found = self.fs.find(self.path, detail=True)

@@ -169,8 +169,13 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     chaos: list[ChaosAction] = field(default_factory=list)
-    # Continue from the latest checkpoint in the run's checkpoint directory.
-    resume: bool = False
+    # Seconds added to every step while chaos is configured, so that faults a few steps apart
+    # play out one after another (a node arrival takes seconds; tiny CPU steps take 0.1 s).
+    chaos_step_delay_s: float = 0.0
+    # Continue from the newest intact checkpoint in the run's checkpoint directory (a fresh
+    # start when there is none), so a restarted driver or resubmitted job picks the run up.
+    # false refuses to start over a run directory that already has checkpoints.
+    resume: bool = True
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
@@ -275,6 +280,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         if action.at_step < 1:
             raise ConfigError(f"chaos[{i}].at_step: must be >= 1, got {action.at_step}")
+    if cfg.chaos_step_delay_s < 0:
+        raise ConfigError(f"chaos_step_delay_s: must be >= 0, got {cfg.chaos_step_delay_s}")
     e = cfg.elastic
     if e.max_nodes is not None and e.max_nodes < e.min_nodes:
         raise ConfigError(f"elastic.max_nodes: {e.max_nodes} < elastic.min_nodes={e.min_nodes}")

@@ -60,7 +60,7 @@ from raytrain_dt.observe.metrics import RunRecorder
 log = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
-CLUSTER_CHECK_INTERVAL_S = 1.0
+CLUSTER_CHECK_INTERVAL_S = 0.5
 
 
 class Coordinator:
@@ -113,10 +113,11 @@ class Coordinator:
             self.cfg.cluster.cpus_per_rank,
             runtime_env=storage_runtime_env(),
         )
-        self.recorder = RunRecorder(self.run_dir, self._resume_point()[1])
         self.layout, self.layout_nodes, self.step = None, (), 0
+        self.recorder = RunRecorder(self.run_dir, self._resume_point()[1])
         self.restarts, self.failures_at_step, self.failed_step = 0, 0, -1
         self.draining: set[str] = set()
+        self.preempting: dict[str, int] = {}  # simulated notices: node -> chaos action index
         # Nodes whose actors died with their node: excluded before Ray's health check says so.
         self.lost_nodes: set[str] = set()
         self.timings: list[dict] = []
@@ -197,7 +198,11 @@ class Coordinator:
         return planned.best.layout
 
     def _resume_point(self) -> tuple[CheckpointRef | None, int]:
-        ref = self.store.latest_valid() if self.cfg.resume else None
+        """The checkpoint a formation starts from: the newest intact one, except that the very
+        first formation of a run with resume=false starts fresh."""
+        if self.layout is None and not self.cfg.resume:
+            return None, 0
+        ref = self.store.latest_valid()
         return ref, (ref.step if ref else 0)
 
     # --- executing a Resize: (re)form the group ----------------------------------------------
@@ -336,10 +341,12 @@ class Coordinator:
                     break
             time.sleep(POLL_INTERVAL_S)
         self.recorder.event("drained", step=self.step, reason=state.decision.reason)
-        for i, action in self.chaos.due_node_actions(self.step):
-            if action.action == "preempt_node":  # the notice has been served: reclaim the node
-                self.chaos.fired.add(i)
-                self.chaos.kill_node(self._node_of_rank(action.target))
+        for node, index in self.preempting.items():  # the notice has been served: reclaim the node
+            self.chaos.fired.add(index)
+            self.chaos.kill_node(node)
+        self.preempting.clear()
+        # Nodes under notice are leaving: plan without them even before Ray reports them gone.
+        self.lost_nodes |= self.draining
         self.draining.clear()
         # Re-plan now: the node under notice may be gone, or the capacity may have changed.
         decision = self.policy.decide(replace(self._observe("ok"), layout=None))
@@ -358,8 +365,9 @@ class Coordinator:
             elif action.action == "add_node":
                 self.chaos.fired.add(i)
                 self.chaos.add_node()
-            elif action.action == "preempt_node" and not self.draining:
+            elif action.action == "preempt_node" and i not in self.preempting.values():
                 node = self._node_of_rank(action.target)
+                self.preempting[node] = i
                 self.draining.add(node)
                 self.recorder.event("preemption_notice", node=node, step=self.step)
 

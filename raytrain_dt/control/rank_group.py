@@ -27,6 +27,16 @@ class ActorSlot:
     actor_index: int
     ip: str
     pg: object
+    bundle_index: int
+
+
+@dataclass
+class NodeReservation:
+    """One placement group on one node; a bundle freed by a dead actor is reused."""
+
+    pg: object
+    node_id: str
+    size: int
 
 
 class RankGroup:
@@ -38,6 +48,7 @@ class RankGroup:
         self.cpus_per_rank = cpus_per_rank
         self.runtime_env = runtime_env or {}
         self.slots: list[ActorSlot] = []  # ordered by rank once `form` has run
+        self.reservations: list[NodeReservation] = []
         self._next_index = 0
 
     # --- placement ---------------------------------------------------------------------------
@@ -54,12 +65,14 @@ class RankGroup:
         bundle.update(options.get("resources", {}))
         return {k: v for k, v in bundle.items() if v}
 
-    def _create_on_node(self, node_id: str, count: int, timeout_s: float) -> list[ActorSlot]:
+    def _free_bundles(self, node_id: str) -> list[tuple[object, int]]:
+        used = {(id(s.pg), s.bundle_index) for s in self.slots}
+        return [(r.pg, i) for r in self.reservations if r.node_id == node_id
+                for i in range(r.size) if (id(r.pg), i) not in used]  # fmt: skip
+
+    def _reserve(self, node_id: str, count: int, timeout_s: float) -> NodeReservation:
         import ray
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from raytrain_dt.worker.rank_actor import RankWorker
 
         pg = placement_group(
             [self._bundle()] * count, strategy="STRICT_PACK", _soft_target_node_id=node_id
@@ -72,22 +85,34 @@ class RankGroup:
                 f"cluster.placement_timeout_s: no room for {count} ranks of {self.resource} on "
                 f"node {node_id[:12]} within {timeout_s:.0f}s"
             ) from exc
+        reservation = NodeReservation(pg, node_id, count)
+        self.reservations.append(reservation)
+        return reservation
+
+    def _create_on_node(self, node_id: str, count: int, timeout_s: float) -> list[ActorSlot]:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from raytrain_dt.worker.rank_actor import RankWorker
+
+        places = self._free_bundles(node_id)[:count]
+        if len(places) < count:
+            reservation = self._reserve(node_id, count - len(places), timeout_s)
+            places += [(reservation.pg, i) for i in range(reservation.size)]
         actor_cls = ray.remote(RankWorker)
         handles = []
-        for bundle_index in range(count):
+        for pg, bundle_index in places:
             handles.append(actor_cls.options(
                 **self._actor_options(),
                 runtime_env=self.runtime_env or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle_index
                 ),
-            ).remote(self.run_dir, self._next_index + bundle_index))  # fmt: skip
-        self._next_index += count
+            ).remote(self.run_dir, self._next_index))  # fmt: skip
+            self._next_index += 1
         reports = ray.get([h.where.remote() for h in handles])
-        return [
-            ActorSlot(h, r["node_id"], r["actor_index"], r["ip"], pg)
-            for h, r in zip(handles, reports)
-        ]
+        return [ActorSlot(h, r["node_id"], r["actor_index"], r["ip"], pg, b)
+                for h, r, (pg, b) in zip(handles, reports, places)]  # fmt: skip
 
     def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
         """Have exactly counts_by_node[node] actors on each node: keep survivors, create the
@@ -166,16 +191,17 @@ class RankGroup:
         self._release(doomed)
 
     def _release(self, slots: list[ActorSlot]) -> None:
+        """Kill these actors; give back reservations no remaining actor uses."""
         import ray
 
         for slot in slots:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(slot.handle)
         still_used = {id(s.pg) for s in self.slots}
-        for pg in {id(s.pg): s.pg for s in slots}.values():
-            if id(pg) not in still_used:
-                with contextlib.suppress(Exception):
-                    ray.util.remove_placement_group(pg)
+        for reservation in [r for r in self.reservations if id(r.pg) not in still_used]:
+            self.reservations.remove(reservation)
+            with contextlib.suppress(Exception):
+                ray.util.remove_placement_group(reservation.pg)
 
     def shutdown(self) -> None:
         slots, self.slots = self.slots, []

@@ -192,6 +192,8 @@ class RankWorker:
     def _chaos(self, step: int) -> None:
         """Injected faults aimed at this rank, at the start of `step` (tests and demos). The
         coordinator drops actions that already fired from the config of later layouts."""
+        if self.spec.cfg.chaos and self.spec.cfg.chaos_step_delay_s:
+            time.sleep(self.spec.cfg.chaos_step_delay_s)
         for action in self.spec.cfg.chaos:
             if action.at_step != step or action.target != self.spec.rank:
                 continue

@@ -75,6 +75,6 @@ def test_existing_checkpoints_are_not_overwritten(make_config, tmp_path):
     step_dir = run_dir / "checkpoints" / "step_3"
     step_dir.mkdir(parents=True)
     (step_dir / "commit.json").write_text('{"step": 3, "train_state": {}, "files": {}}')
-    with pytest.raises(UserError, match="resume=true"):
-        train(make_config(run_dir=run_dir), show_progress=False)
+    with pytest.raises(UserError, match="resume=true"):  # resume=false: never start over it
+        train(make_config("resume=false", run_dir=run_dir), show_progress=False)
     assert (step_dir / "commit.json").exists()

@@ -10,6 +10,7 @@ covered in test_deepspeed_training.py.
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -96,4 +97,5 @@ def test_resume_at_another_layout_continues_exactly(
 
 
 def source_layout(run_dir: Path) -> dict:
-    return next(e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "start")["layout"]
+    record = json.loads((run_dir / "checkpoints" / "step_4" / "commit.json").read_text())
+    return record["train_state"]["layout"]
