@@ -306,8 +306,14 @@ class Coordinator:
         return Running()
 
     def _on_failure(self, health: str, broken: list[dict]) -> State:
-        errors = {
-            s["rank"]: (s.get("error") or s["state"]).strip().splitlines()[-1] for s in broken
+        if health == "failed":
+            broken = self._settle(broken)
+        errors = {s["rank"]: (s.get("error") or s["state"]).strip().splitlines()[0] for s in broken}
+        # Actors that died with their node mark the node lost before Ray's health check does.
+        self.lost_nodes |= {
+            s["node_id"]
+            for s in broken
+            if s["state"] == "dead" and "node" in s.get("error", "").lower()
         }
         self.recorder.event("failure", health=health, step=self.step, ranks=errors)
         log.warning("ranks %s %s at step %d: %s", sorted(errors), health, self.step + 1, errors)
@@ -322,6 +328,19 @@ class Coordinator:
         else:
             self.group.drop([s["rank"] for s in broken if s["state"] != "failed"])
         return self._decide(self._observe(health))
+
+    def _settle(self, broken: list[dict], wait_s: float = 5.0) -> list[dict]:
+        """When one rank fails, its peers fail or die within moments (a lost node takes
+        several). Collect them all before deciding, so the plan excludes every lost node."""
+        deadline = time.time() + wait_s
+        while time.time() < deadline:
+            statuses = self.group.poll()
+            self._handle_reports(statuses)
+            broken = [s for s in statuses if s["state"] != "running"]
+            if len(broken) == len(statuses) and all(s["state"] != "done" for s in broken):
+                break
+            time.sleep(0.25)
+        return [s for s in broken if s["state"] in ("failed", "dead", "unresponsive")]
 
     def _drain(self, state: Draining) -> State:
         """Save at the next step boundary and stop there; resize once it is committed."""

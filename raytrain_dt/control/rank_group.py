@@ -172,14 +172,16 @@ class RankGroup:
         return statuses
 
     def try_call(self, method: str, timeout_s: float = 30.0) -> list[int]:
-        """Call `method` on every rank, tolerating dead ones; returns the ranks that failed."""
+        """Call `method` on every rank, tolerating dead ones; returns the ranks that failed
+        (raised, timed out, or answered False)."""
         import ray
 
         refs = [getattr(slot.handle, method).remote() for slot in self.slots]
         failed = []
         for rank, ref in enumerate(refs):
             try:
-                ray.get(ref, timeout=timeout_s)
+                if ray.get(ref, timeout=timeout_s) is False:
+                    failed.append(rank)
             except Exception:
                 failed.append(rank)
         return failed

@@ -236,13 +236,32 @@ class RankWorker:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def teardown(self) -> None:
+    def teardown(self, grace_s: float = 5.0) -> bool:
         """Leave the current layout: end the loop, free model and data, destroy the process
-        group. The actor (and its imported torch) stays for the next layout."""
-        self.stop()
+        group. The actor (and its imported torch) stays for the next layout. Returns False when
+        the training thread is stuck (in a collective with a dead or hung peer): such an actor
+        cannot be reused and the coordinator replaces it."""
+        self.stop(grace_s)
+        if self._thread is not None and self._thread.is_alive():
+            log.warning("rank %s: training thread still busy after %.0fs; not reusable",
+                        self.spec.rank if self.spec else "?", grace_s)  # fmt: skip
+            return False
         self.engine = None
         self.checkpointer = None
         self._batches = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        _forget_layout_caches()
         gc.collect()
+        return True
+
+
+def _forget_layout_caches() -> None:
+    """DTensor caches sharding decisions keyed by mesh *shape and names*, and the cached
+    results hold the old mesh, whose process-group names the next layout's groups reuse. A
+    reused actor must drop them, or its collectives resolve to the wrong (or no) group."""
+    from torch.distributed.tensor import DTensor
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    for cached in (propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached):
+        cached.cache_clear()
