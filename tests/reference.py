@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
+from raytrain_dt.checkpoint.convert import read_flat_state
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.coordinator import model_shape
 from raytrain_dt.data.order import sample_ids
@@ -59,17 +58,8 @@ def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, 
 
 def load_checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     """The model parameters of a DCP checkpoint, gathered in this single process."""
-    state = _load_state_dict_from_keys(storage_reader=dcp.FileSystemReader(path))
     return {
-        k.removeprefix("model."): v for k, v in _flatten(state).items() if k.startswith("model.")
+        k.removeprefix("model."): v
+        for k, v in read_flat_state(path).items()
+        if k.startswith("model.")
     }
-
-
-def _flatten(state: dict, prefix: str = "") -> dict:
-    out = {}
-    for key, value in state.items():
-        if isinstance(value, dict):
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out

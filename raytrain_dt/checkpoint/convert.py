@@ -80,11 +80,17 @@ def one_rank_layout(saved: dict, zero_stage: int) -> Layout:
 
 
 # --- FSDP2 (DCP) ---------------------------------------------------------------------------------
-def read_fsdp2(uri: str) -> tuple[FullState, float]:
-    """Full fp32 parameters and AdamW state by name from a DCP checkpoint (any layout)."""
+def read_flat_state(uri: str) -> dict:
+    """Every entry of a DCP checkpoint, gathered in this process, by flattened key
+    (`model.layers.0...`, `optim.state....`)."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
-    flat = _flatten(_load_state_dict_from_keys(storage_reader=dcp_reader(uri)))
+    return _flatten(_load_state_dict_from_keys(storage_reader=dcp_reader(uri)))
+
+
+def read_fsdp2(uri: str) -> tuple[FullState, float]:
+    """Full fp32 parameters and AdamW state by name from a DCP checkpoint (any layout)."""
+    flat = read_flat_state(uri)
     state: FullState = {}
     steps = set()
     for key, value in flat.items():

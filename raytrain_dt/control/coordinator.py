@@ -118,6 +118,10 @@ class Coordinator:
         self.restarts, self.failures_at_step, self.failed_step = 0, 0, -1
         self.draining: set[str] = set()
         self.preempting: dict[str, int] = {}  # simulated notices: node -> chaos action index
+        self._nodes_key: tuple[str, ...] | None = None  # node set seen last, and since when
+        self._nodes_since = 0.0
+        self._last_cluster_check = 0.0
+        self._last_plan = None
         # Nodes whose actors died with their node: excluded before Ray's health check says so.
         self.lost_nodes: set[str] = set()
         self.timings: list[dict] = []
@@ -160,7 +164,7 @@ class Coordinator:
         self.lost_nodes &= {n.node_id for n in listed}  # forget them once Ray agrees
         nodes = tuple(n for n in listed if n.node_id not in self.lost_nodes)
         key = tuple(n.node_id for n in nodes)
-        if key != getattr(self, "_nodes_key", None):
+        if key != self._nodes_key:
             self._nodes_key, self._nodes_since = key, time.time()
         return Observation(
             now=time.time(), nodes=nodes, draining=frozenset(self.draining), layout=self.layout,
@@ -237,7 +241,7 @@ class Coordinator:
         self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
                              "setup_s": time.perf_counter() - formed, "ranks": setup})  # fmt: skip
         (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
-        if hasattr(self, "_last_plan"):
+        if self._last_plan is not None:
             (self.run_dir / "plan.json").write_text(json.dumps(self._last_plan.to_json(), indent=2))
         self.recorder.event(
             "resize" if old is not None else "start", reason=decision.reason,
@@ -286,7 +290,7 @@ class Coordinator:
     def _watch(self) -> State:
         statuses = self.group.poll()
         self._handle_reports(statuses)
-        broken = [s for s in statuses if s["state"] in ("failed", "dead", "unresponsive")]
+        broken = _broken(statuses)
         if broken:
             return self._on_failure("failed", broken)
         if all(s["state"] == "done" for s in statuses):
@@ -297,7 +301,7 @@ class Coordinator:
             )
             return self._on_failure("hung", [])
         self._fire_node_chaos()
-        if time.time() - getattr(self, "_last_cluster_check", 0) > CLUSTER_CHECK_INTERVAL_S:
+        if time.time() - self._last_cluster_check > CLUSTER_CHECK_INTERVAL_S:
             self._last_cluster_check = time.time()
             state = self._decide(self._observe("notice" if self.draining else "ok"))
             if not isinstance(state, Running):
@@ -340,7 +344,7 @@ class Coordinator:
             if len(broken) == len(statuses) and all(s["state"] != "done" for s in broken):
                 break
             time.sleep(0.25)
-        return [s for s in broken if s["state"] in ("failed", "dead", "unresponsive")]
+        return _broken(broken)
 
     def _drain(self, state: Draining) -> State:
         """Save at the next step boundary and stop there; resize once it is committed."""
@@ -351,7 +355,7 @@ class Coordinator:
                 return self._on_failure("hung", [])
             statuses = self.group.poll()
             self._handle_reports(statuses)
-            broken = [s for s in statuses if s["state"] in ("failed", "dead", "unresponsive")]
+            broken = _broken(statuses)
             if broken:
                 return self._on_failure("failed", broken)
             if all(s["state"] == "done" for s in statuses):
@@ -399,6 +403,10 @@ def storage_runtime_env() -> dict | None:
     """
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
     return {"env_vars": env} if env else None
+
+
+def _broken(statuses: list[dict]) -> list[dict]:
+    return [s for s in statuses if s["state"] in ("failed", "dead", "unresponsive")]
 
 
 def train(cfg: TrainConfig, **kwargs) -> RunResult:

@@ -8,6 +8,7 @@ frees the model so the same actor can join the next layout without re-importing 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import itertools
@@ -257,11 +258,24 @@ class RankWorker:
 
 
 def _forget_layout_caches() -> None:
-    """DTensor caches sharding decisions keyed by mesh *shape and names*, and the cached
-    results hold the old mesh, whose process-group names the next layout's groups reuse. A
-    reused actor must drop them, or its collectives resolve to the wrong (or no) group."""
+    """DTensor caches sharding and redistribution plans keyed by mesh *shape and names*, and
+    the cached results hold the old mesh, whose process-group names the next layout's groups
+    reuse. A reused actor must drop them all, or its collectives resolve to the wrong (or no)
+    group ("Could not resolve the process group registered under the name N")."""
+    import sys
+
     from torch.distributed.tensor import DTensor
 
     propagator = DTensor._op_dispatcher.sharding_propagator
-    for cached in (propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached):
-        cached.cache_clear()
+    caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.distributed.tensor") and module is not None:
+            for value in vars(module).values():
+                caches.append(value)
+                if isinstance(value, type):  # cached static methods, e.g. MeshTopoInfo's
+                    caches.extend(getattr(value, attr, None) for attr in vars(value))
+    for cached in caches:
+        clear = getattr(cached, "cache_clear", None)
+        if callable(clear) and not isinstance(cached, type):
+            with contextlib.suppress(TypeError):  # a per-instance cache seen on its class
+                clear()
