@@ -113,7 +113,10 @@ class Coordinator:
             self.cfg.cluster.cpus_per_rank,
             runtime_env=storage_runtime_env(),
         )
+        # The running layout (None while no group is formed) and the one before it.
         self.layout, self.layout_nodes, self.step = None, (), 0
+        self.previous_layout = None
+        self.formed = False
         self.recorder = RunRecorder(self.run_dir, self._resume_point()[1])
         self.restarts, self.failures_at_step, self.failed_step = 0, 0, -1
         self.draining: set[str] = set()
@@ -204,7 +207,7 @@ class Coordinator:
     def _resume_point(self) -> tuple[CheckpointRef | None, int]:
         """The checkpoint a formation starts from: the newest intact one, except that the very
         first formation of a run with resume=false starts fresh."""
-        if self.layout is None and not self.cfg.resume:
+        if not self.formed and not self.cfg.resume:
             return None, 0
         ref = self.store.latest_valid()
         return ref, (ref.step if ref else 0)
@@ -213,7 +216,7 @@ class Coordinator:
     def _form(self, state: Resizing | Restarting) -> State:
         decision = state.decision
         started = time.perf_counter()
-        old = self.layout
+        old = self.layout or self.previous_layout
         if self.group.slots:
             broken = self.group.try_call("teardown", timeout_s=30)
             self.group.drop(broken)  # hung or dead actors cannot be reused
@@ -233,6 +236,7 @@ class Coordinator:
         setup = self.group.call("setup", [(s,) for s in specs])
         self.group.call("start")
         self.layout, self.layout_nodes = decision.layout, tuple(sorted(counts))
+        self.formed = True
         self.step = resume_step
         self.bar.n = resume_step
         self.tracker = CheckpointTracker(self.store, decision.layout.dims.world_size, self.recorder,
@@ -325,12 +329,13 @@ class Coordinator:
         self.failed_step = self.step
         self.restarts += 1
         self.chaos.mark_rank_faults_fired(self.step + 1)
-        if health == "hung":
-            self.group.drop(
-                list(range(self.group.world_size))
-            )  # stuck in a collective: replace all
-        else:
+        if health == "hung":  # threads stuck in a collective cannot be reused: replace all
+            self.group.drop(list(range(self.group.world_size)))
+        else:  # dead ones go; survivors are torn down and reused by the next formation
             self.group.drop([s["rank"] for s in broken if s["state"] != "failed"])
+        # No group trains now: the policy plans from scratch (and Waiting cannot mistake an
+        # idle group for a finished one).
+        self.previous_layout, self.layout, self.layout_nodes = self.layout, None, ()
         return self._decide(self._observe(health))
 
     def _settle(self, broken: list[dict], wait_s: float = 5.0) -> list[dict]:
