@@ -33,6 +33,11 @@ bench: install
 	-$(PY) bench/bench_planner.py
 	-$(PY) bench/bench_memory.py
 	-$(PY) bench/bench_checkpoint.py
+	-$(PY) bench/bench_simulator.py
+	-$(PY) bench/bench_overhead.py
+	-$(PY) bench/bench_input.py
+	-$(PY) bench/bench_startup.py
+	-$(PY) bench/bench_elastic.py
 	$(PY) bench/render.py
 
 clean:

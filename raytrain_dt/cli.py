@@ -1,4 +1,4 @@
-"""`raytrain-dt` command line: train, prepare-data, plan.
+"""`raytrain-dt` command line: train, prepare-data, plan, ckpt, report, status, simulate.
 
 User errors (`UserError`) print one line to stderr and exit with code 2; anything else is a bug
 and keeps its traceback.
@@ -8,30 +8,65 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import time
+from pathlib import Path
 
 from raytrain_dt.checkpoint.cli import add_ckpt_arguments
 from raytrain_dt.errors import UserError
+from raytrain_dt.sim.cli import add_simulate_arguments
 from raytrain_dt.topology.plan_cli import add_plan_arguments
 
 
 def _train(args: argparse.Namespace) -> int:
     from raytrain_dt.config import load_config
     from raytrain_dt.control.coordinator import train
+    from raytrain_dt.errors import UserError
 
     cfg = load_config(args.config, args.overrides)
     if args.address:
         cfg.cluster.address = args.address
+    from tqdm.contrib.logging import logging_redirect_tqdm
+
+    from raytrain_dt.observe.report import report_after_run
+
     started = time.perf_counter()
-    result = train(cfg)
+    try:
+        with logging_redirect_tqdm():  # step log lines print above the progress bar
+            result = train(cfg)
+    except UserError:
+        raise  # bad input: nothing trained, so an earlier run's report stays as it was
+    except BaseException:
+        report_after_run(cfg.run.dir)  # a failed run gets its report: where the time went
+        raise
+    report_after_run(cfg.run.dir)
     print(
-        f"run finished at step {result.final_step} in {time.perf_counter() - started:.1f}s: "
+        f"run {'stopped' if result.stopped else 'finished'} at step {result.final_step} in "
+        f"{time.perf_counter() - started:.1f}s: "
         f"loss {result.last_metrics.get('loss', float('nan')):.4f}\n"
         f"run dir: {result.run_dir}\n"
         f"latest checkpoint: {result.latest_checkpoint}"
     )
+    # Stopped (SIGTERM, `ray job stop`): checkpointed, not finished; the same run.dir resumes.
+    return 128 + signal.SIGTERM if result.stopped else 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from raytrain_dt.observe.report import format_summary, render_report
+
+    if not (Path(args.run_dir) / "events.jsonl").exists():
+        raise UserError(f"RUN_DIR: {args.run_dir} has no events.jsonl (not a run directory?)")
+    report = render_report(args.run_dir)
+    print(format_summary(report.summary))
+    print(f"report: {report.html}")
     return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    from raytrain_dt.observe.status import show_status
+
+    return show_status(args.address, args.run_dir)
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -49,6 +84,12 @@ def _plan(args: argparse.Namespace) -> int:
     from raytrain_dt.topology.plan_cli import run_plan
 
     return run_plan(args)
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    from raytrain_dt.sim.cli import run_simulate
+
+    return run_simulate(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +117,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("ckpt", help="list, inspect and export checkpoints")
     add_ckpt_arguments(p)
+
+    p = sub.add_parser("simulate", help="compare elastic policies on a simulated cluster trace")
+    add_simulate_arguments(p)
+    p.set_defaults(func=_simulate)
+
+    p = sub.add_parser("report", help="write RUN_DIR/report.html (plots, goodput) and summarize")
+    p.add_argument("run_dir", metavar="RUN_DIR")
+    p.set_defaults(func=_report)
+
+    p = sub.add_parser("status", help="state, layout, step, tokens/s of runs on a live cluster")
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a run directory or run name")
+    p.add_argument("--address", help="Ray cluster (default: RAY_ADDRESS, else the local one)")
+    p.set_defaults(func=_status)
     return parser
 
 

@@ -47,11 +47,43 @@ def ray_cluster():
     shutil.rmtree(temp_dir, ignore_errors=True)
 
 
+@pytest.fixture
+def restore_nodes(ray_cluster):
+    """After the test, the cluster has the two accelerator nodes it started with."""
+    from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
+
+    yield ray_cluster
+    while len(alive_nodes(SIMULATED_ACCELERATOR)) < 2:
+        ray_cluster.add_node(num_cpus=1, resources={SIMULATED_ACCELERATOR: 2})
+        ray_cluster.wait_for_nodes()
+
+
 @pytest.fixture(scope="session")
 def token_data(tmp_path_factory) -> Path:
     """A small token dataset of real text (about 3k sequences of 64)."""
     out = tmp_path_factory.mktemp("data") / "tokens"
     prepare_dataset(out, TEXT_GLOB, seq_len=64, max_tokens=200_000)
+    return out
+
+
+@pytest.fixture(scope="session")
+def user_docs(tmp_path_factory) -> Path:
+    """Real documents (stdlib sources, about 60 kB) as text files under `text/` and, in the
+    same order, as `docs.jsonl` ({"id", "text"} per line): user data for `data.source`."""
+    import glob
+    import json
+
+    out = tmp_path_factory.mktemp("user_docs")
+    (out / "text").mkdir()
+    docs, size = [], 0
+    for i, name in enumerate(sorted(glob.glob(TEXT_GLOB))):
+        text = Path(name).read_text()
+        (out / "text" / f"doc{i:03d}.txt").write_text(text)
+        docs.append({"id": i, "text": text})
+        size += len(text)
+        if size > 60_000:
+            break
+    (out / "docs.jsonl").write_text("".join(json.dumps(d) + "\n" for d in docs))
     return out
 
 

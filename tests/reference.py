@@ -12,12 +12,12 @@ import torch
 
 from raytrain_dt.checkpoint.convert import read_flat_state
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.control.coordinator import model_shape
 from raytrain_dt.data.order import sample_ids
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
-from raytrain_dt.models.llama import build_model, next_token_loss
+from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.models.spec import model_spec
 
 
 def global_batch_ids(cfg: TrainConfig, dataset: TokenDataset, step: int) -> np.ndarray:
@@ -30,7 +30,7 @@ def global_batch_ids(cfg: TrainConfig, dataset: TokenDataset, step: int) -> np.n
 def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of the first `steps` steps and the parameters after them."""
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
-    model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
+    model = model_spec(cfg).build(cfg.data.seq_len, cfg.run.seed)
     optimizer = build_adamw(model, cfg.trainer)
     t = cfg.trainer
     losses = []

@@ -4,8 +4,10 @@ without a cluster."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 
+from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.checkpoint.store import COMMIT_FILE, CheckpointRef, CheckpointStore
 from raytrain_dt.errors import CheckpointError
@@ -58,16 +60,31 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     state = ref.train_state
     files = ref.record.get("files", {})
     layout = state.get("layout", {})
-    tensors = model_tensors(ref.uri) if state.get("engine", "fsdp2") == "fsdp2" else {}
+    dims = layout.get("dims", {})
+    if state.get("tensors"):  # recorded by the rank that saved it, for every engine
+        shapes = [tuple(s) for s in state["tensors"].values()]
+    elif ".metadata" in files:  # DCP's own metadata (fsdp2 checkpoints)
+        shapes = [tuple(size) for size, _ in model_tensors(ref.uri).values()]
+    else:
+        shapes = []
+    schedule = state.get("lr_scheduler", {})
+    versions = state.get("versions") or {"torch": state.get("torch_version")}
+    degrees = {k: v for k, v in dims.items() if k != "world_size"}
     print(f"checkpoint: {ref.uri}")
-    print(f"step: {ref.step}   consumed samples: {ref.consumed_samples}")
-    print(
-        f"engine: {state.get('engine')}   layout: {layout.get('dims')}  zero={layout.get('zero_stage')}"
-    )
+    print(f"step: {ref.step}   consumed samples: {ref.consumed_samples}   "
+          f"tokens: {state.get('tokens', 'unrecorded')}")  # fmt: skip
+    print(f"engine: {state.get('engine')}   world size: {dims.get('world_size')}   "
+          f"zero={layout.get('zero_stage')}   degrees: {degrees}")  # fmt: skip
+    print(f"model: preset {state.get('model_preset') or state.get('model_hf')}   "
+          f"shape {state.get('model_shape')}   seq_len {state.get('seq_len')}")  # fmt: skip
+    print(f"model tensors: {len(shapes)}   parameters: "
+          f"{sum(math.prod(s) for s in shapes)}")  # fmt: skip
+    if schedule:
+        print("lr scheduler: " + ", ".join(f"{k}={v}" for k, v in schedule.items()))
+    rng = Location.parse(ref.uri).child(RNG_DIR).files()
+    print(f"rng states: {len(rng)} ranks   versions: "
+          + ", ".join(f"{k} {v}" for k, v in versions.items() if v))  # fmt: skip
     print(f"files: {len(files)}   bytes: {sum(f['size'] for f in files.values())}")
-    print(
-        f"model tensors: {len(tensors)}   parameters: {sum(s.numel() for s, _ in tensors.values())}"
-    )
     print(f"state: {_state(store, ref)}")
     return 0
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location, dcp_reader, dcp_writer
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.schema import TrainConfig
@@ -231,17 +232,18 @@ def convert(src: CheckpointRef, dst_root: str, to: str, zero_stage: int | None =
         else:
             write_deepspeed(target.uri, state, step, shape, cfg, new_layout)
     _copy_rng(Location.parse(src.uri), target)
-    new_state = dict(train_state, engine=to, layout=new_layout.as_dict(), converted_from=src.uri)
+    new_state = dict(train_state, engine=to, layout=new_layout.as_dict(),
+                     world_size=new_layout.dims.world_size, converted_from=src.uri)  # fmt: skip
     return store.commit(src.step, new_state)
 
 
 def _copy_rng(src: Location, dst: Location) -> None:
     """Per-rank RNG states are engine-free; ranks without one keep their seeded state."""
-    rng = src.child("rng")
+    rng = src.child(RNG_DIR)
     for name in rng.files():
         with rng.fs.open(rng.child(name).path, "rb") as f:
             data = f.read()
-        out = dst.child("rng", name)
+        out = dst.child(RNG_DIR, name)
         out.fs.makedirs(out.path.rsplit("/", 1)[0], exist_ok=True)
         with out.fs.open(out.path, "wb") as f:
             f.write(data)

@@ -2,8 +2,9 @@
 with an index above a size threshold) and `config.json`, streamed tensor by tensor.
 
 Each tensor is read alone from the DCP shards (`dcp.load` of one key, no process group) and
-appended to the output file, whose header is computed up front from DCP's metadata; peak
-memory is therefore about one tensor, not the model. The safetensors library has no streaming
+appended to the output file, whose header is computed up front from DCP's metadata; every
+tensor is read into one reusable buffer, so peak memory is about the largest tensor, not the
+model. The safetensors library has no streaming
 writer, so the (simple, documented) file layout is written here and read back with
 `safetensors.safe_open` in the tests.
 """
@@ -79,14 +80,26 @@ def model_tensors(checkpoint_uri: str) -> dict[str, tuple[torch.Size, torch.dtyp
     }
 
 
+def _nbytes(size: torch.Size, dtype: torch.dtype) -> int:
+    return torch.Size(size).numel() * dtype.itemsize
+
+
 def stream_tensors(checkpoint_uri: str, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Full tensors one at a time, each assembled from however many shards hold it."""
+    """Full tensors one at a time, each assembled from however many shards hold it.
+
+    Every tensor is read into one buffer sized for the largest, so memory stays at one tensor
+    (plus the shard being copied in) and the allocator never fragments: a yielded tensor is
+    valid only until the next one is read.
+    """
     tensors = model_tensors(checkpoint_uri)
+    buffer = torch.empty(max((_nbytes(*tensors[n]) for n in names), default=0), dtype=torch.uint8)
     for name in names:
         size, dtype = tensors[name]
-        out = {f"model.{name}": torch.empty(size, dtype=dtype)}
-        dcp.load(out, storage_reader=dcp_reader(checkpoint_uri), no_dist=True)
-        yield name, out[f"model.{name}"]
+        target = buffer[: _nbytes(size, dtype)].view(dtype).view(size)
+        # A one-key state dict: DCP reads only the byte ranges of this tensor's shards.
+        dcp.load({f"model.{name}": target}, storage_reader=dcp_reader(checkpoint_uri),
+                 no_dist=True)  # fmt: skip
+        yield name, target
 
 
 def _write_safetensors(path: Path, entries: list[tuple[str, str, torch.Size, torch.dtype]],
@@ -94,7 +107,7 @@ def _write_safetensors(path: Path, entries: list[tuple[str, str, torch.Size, tor
     """entries: (our name, output name, shape, dtype) in file order; tensors in the same order."""
     header, offset = {}, 0
     for _, out_name, size, dtype in entries:
-        nbytes = torch.Size(size).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = _nbytes(size, dtype)
         header[out_name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(size),
                             "data_offsets": [offset, offset + nbytes]}  # fmt: skip
         offset += nbytes
@@ -104,9 +117,9 @@ def _write_safetensors(path: Path, entries: list[tuple[str, str, torch.Size, tor
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(blob)))
         f.write(blob)
-        for name, tensor in tensors:
-            f.write(tensor.contiguous().view(torch.uint8).numpy().tobytes())
-            del tensor, name
+        for _, tensor in tensors:
+            # The tensor's own bytes, without an intermediate copy.
+            f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
 def consolidate(checkpoint_uri: str, out_dir: str | Path, shape: ModelShape, max_seq_len: int,
@@ -117,10 +130,7 @@ def consolidate(checkpoint_uri: str, out_dir: str | Path, shape: ModelShape, max
     tensors = model_tensors(checkpoint_uri)
     names = [n for n in tensors if not (shape.tie_embeddings and n == "output.weight")]
     shards: list[list[str]] = [[]]
-    size_of = {
-        n: tensors[n][0].numel() * torch.empty((), dtype=tensors[n][1]).element_size()
-        for n in names
-    }
+    size_of = {n: _nbytes(*tensors[n]) for n in names}
     for name in names:
         if shards[-1] and sum(size_of[n] for n in shards[-1]) + size_of[name] > shard_bytes:
             shards.append([])

@@ -15,9 +15,11 @@ from raytrain_dt.errors import ConfigError
 
 @dataclass
 class RunConfig:
+    # Name of the run; the default run.dir is runs/<name>.
     name: str = "run"
     # Where everything the run writes goes: config, logs, metrics, checkpoints.
     dir: str = "runs/${run.name}"
+    # Seed of the initial weights (identical on every rank) and of the ranks' random state.
     seed: int = 1234
 
 
@@ -25,19 +27,37 @@ class RunConfig:
 class ModelConfig:
     # A named preset from raytrain_dt.models.presets; the fields below override it when set.
     preset: str = "tiny"
+    # Hidden size (the model's width).
     dim: int | None = None
+    # Transformer blocks.
     n_layers: int | None = None
+    # Attention heads; must divide model.dim.
     n_heads: int | None = None
+    # Key/value heads (grouped-query attention); must divide model.n_heads.
     n_kv_heads: int | None = None
+    # Vocabulary size; at least 256, the byte tokenizer's ids.
     vocab_size: int | None = None
+    # Inner size of the SwiGLU feed-forward block.
     ffn_hidden: int | None = None
+    # Share the output projection's weights with the token embedding.
     tie_embeddings: bool | None = None
+    # Initial weights for a fresh run: a directory of Hugging Face-format Llama safetensors
+    # (`ckpt consolidate` output) whose config.json matches this shape. Ignored on resume.
+    init_from: str | None = None
+    # A Hugging Face causal LM instead of the preset: a local directory (its weights are loaded
+    # when it has any) or a model type such as `llama` (random init; nothing is downloaded).
+    hf: str | None = None
+    # Fields set on that model's transformers config, e.g. {num_hidden_layers: 2}.
+    hf_config: dict[str, Any] = field(default_factory=dict)
+    # auto: load the directory's weights when it has them; random; weights.
+    hf_init: str = "auto"
 
 
 @dataclass
 class DataConfig:
     # A directory of parquet files with an int32 list column `tokens` (see `prepare-data`).
     path: str = "data/stdlib_tokens"
+    # Tokens per training sequence; must match the prepared dataset.
     seq_len: int = 128
     # Text files to tokenize when `path` does not exist yet; null means the Python stdlib corpus.
     text_glob: str | None = None
@@ -45,10 +65,25 @@ class DataConfig:
     shuffle_seed: int = 0
     # Micro-batches each rank's Ray Data iterator keeps ready ahead of the train step.
     prefetch_batches: int = 4
+    # Your own data instead of `path`: parquet, JSONL or text files (a file, directory or glob)
+    # or a `datasets` directory (save_to_disk). Tokenized and packed into seq_len sequences
+    # once, into a token dataset cached under cache_dir by a hash of the source and settings.
+    source: str | None = None
+    # auto (from file names), parquet, json, text or hf.
+    format: str = "auto"
+    # The column with each document's text (tokenized by `tokenizer`).
+    text_column: str = "text"
+    # A column with each document's token ids instead; when set, text_column is not read.
+    token_column: str | None = None
+    # bytes (UTF-8 bytes, vocabulary 256) or a local Hugging Face tokenizer directory.
+    tokenizer: str = "bytes"
+    # Where packed user datasets are cached; null: run.dir/data_cache.
+    cache_dir: str | None = None
 
 
 @dataclass
 class TrainerConfig:
+    # Optimizer steps in total; a resumed run continues up to this step.
     steps: int = 20
     # Sequences per optimizer step: the one number that defines the math. Kept across resizes.
     global_batch: int = 8
@@ -56,36 +91,60 @@ class TrainerConfig:
     micro_batch: int | None = None
     # Micro-steps per optimizer step; derived when null.
     grad_accum: int | None = None
+    # Peak learning rate: linear warm-up to it, then cosine decay to lr x min_lr_ratio at the last
+    # step.
     lr: float = 3e-3
+    # Final learning rate as a fraction of trainer.lr, in [0, 1].
     min_lr_ratio: float = 0.1
+    # Steps of linear warm-up from lr/warmup_steps to lr; at most trainer.steps.
     warmup_steps: int = 5
+    # AdamW decoupled weight decay, on matrices only (not norms).
     weight_decay: float = 0.1
+    # AdamW decay of the first moment, in [0, 1).
     beta1: float = 0.9
+    # AdamW decay of the second moment, in [0, 1).
     beta2: float = 0.95
+    # AdamW epsilon (the test recipe uses 1e-6: see conf/test.yaml).
     eps: float = 1e-8
+    # Clip the global gradient norm to this; 0 disables clipping.
     grad_clip: float = 1.0
+    # Recompute each block's activations in the backward pass (less memory, more compute). true
+    # forces it; false leaves it to the planner.
     activation_checkpointing: bool = False
-    log_every: int = 1
+    # The driver logs rank 0's step metrics (loss, tokens/s, MFU, memory) every N steps.
+    log_every: int = 10
+    # Also write TensorBoard event files to run.dir/tensorboard (metrics.jsonl is always written).
+    tensorboard: bool = False
 
 
 @dataclass
 class ParallelConfig:
-    # Each degree is chosen by the planner when null, and pinned when set.
+    # Tensor-parallel degree, within a node. Every degree in this section is chosen by the planner
+    # when null, and pinned when set.
     tp: int | None = None
+    # Pipeline stages, placed across nodes.
     pp: int | None = None
+    # Data-parallel replicas of the (sharded) model: HSDP's replicate dimension.
     dp_replicate: int | None = None
+    # Data-parallel ranks one model replica is sharded across (FSDP/ZeRO).
     dp_shard: int | None = None
+    # Pipeline schedule: gpipe, 1f1b, or interleaved (1F1B with parallel.virtual_stages per rank).
     pp_schedule: str = "1f1b"
+    # Pipeline stages per rank, for the interleaved schedule.
     virtual_stages: int = 1
+    # With tensor parallelism, also split norms and residuals along the sequence (Megatron SP).
     sequence_parallel: bool = False
 
 
 @dataclass
 class EngineConfig:
+    # fsdp2 (torch FSDP2/DTensor: every layout) or deepspeed (ZeRO 1-3, data parallel only).
     name: str = "fsdp2"
     # 0 (plain data parallel), 1, 2 or 3; chosen by the planner when null. FSDP2 maps 0 to
     # replicate (DDP), 1 and 2 to grad-op sharding (reshard_after_forward=False), 3 to full.
     zero_stage: int | None = None
+    # Keep optimizer state in CPU memory (needs zero_stage >= 1). true forces it; false leaves it to
+    # the planner.
     offload_optimizer: bool = False
     # auto: bf16 compute with fp32 master weights on GPU, fp32 on CPU.
     precision: str = "auto"
@@ -97,16 +156,20 @@ class ClusterConfig:
     address: str | None = None
     # Embedded instance only: simulated nodes and accelerators on each.
     local_nodes: int = 1
+    # Embedded instance only: accelerators on each simulated node.
     accelerators_per_node: int = 2
     # The Ray resource that stands for one accelerator. Null: GPU where GPUs exist, else a
     # custom resource the embedded instance declares (and a real CPU cluster must declare).
     accelerator_resource: str | None = None
     # Ranks to run; null means every accelerator the cluster has.
     num_ranks: int | None = None
+    # Ray CPUs each rank actor reserves.
     cpus_per_rank: float = 0.5
     # What the planner assumes per accelerator. Null: read from the cluster (GPU defaults to
     # 80 GB H100s; CPU "accelerators" get the node's Ray memory divided among them).
     memory_per_accelerator_gb: float | None = None
+    # Peak dense TFLOP/s of one accelerator, for the planner and MFU. Null: by device name for
+    # known GPUs (raytrain_dt/observe/mfu.py), else an H100; a CPU "accelerator" assumes 0.1.
     peak_tflops: float | None = None
     # Seconds to wait for the placement group before giving up with a clear message.
     placement_timeout_s: float = 60.0
@@ -121,6 +184,7 @@ class CheckpointConfig:
     # Retention: the newest `keep_last` committed checkpoints, plus every step that is a
     # multiple of `keep_every` (0: none). Two by default, so a damaged newest has a fallback.
     keep_last: int = 2
+    # Also keep every checkpoint whose step is a multiple of this (0: none).
     keep_every: int = 0
     # Stage shards to CPU and write them in the background (DCP async save).
     async_save: bool = True
@@ -131,27 +195,63 @@ class ElasticConfig:
     # Bounds on the nodes the run uses; below min_nodes it waits (up to wait_timeout_s), then
     # fails with the latest checkpoint intact. Null max_nodes: every node the cluster offers.
     min_nodes: int = 1
+    # At most this many nodes; null: every node the cluster offers. When set, the coordinator also
+    # asks the autoscaler for that many.
     max_nodes: int | None = None
     # Failure restarts before the run gives up (a repeating failure at one step stops sooner).
     max_restarts: int = 5
     # Same step failing this many times in a row is reported as deterministic, not retried.
     max_failures_at_step: int = 2
+    # Seconds to wait for capacity while below elastic.min_nodes, before stopping.
     wait_timeout_s: float = 300.0
     # No completed step for this long while training: the group is hung and is torn down.
     hang_timeout_s: float = 60.0
     # Grow only after new capacity has stayed this long (hysteresis against flapping nodes).
     grow_stable_s: float = 2.0
-    # Node-local spot notice endpoint (AWS: http://169.254.169.254/latest/meta-data/spot/
-    # instance-action); null disables the watcher.
-    spot_notice_url: str | None = None
+    # Node-local spot notice endpoint, polled by every rank (404 = no notice). `{node_id}` is
+    # replaced by the Ray node id (lets one loopback server play several simulated nodes).
+    # Null disables the watcher.
+    spot_notice_url: str | None = "http://169.254.169.254/latest/meta-data/spot/instance-action"
+    # After SIGTERM a rank reports a preemption notice and exits by itself this much later.
+    sigterm_grace_s: float = 60.0
+
+
+@dataclass
+class CommConfig:
+    """NCCL/Gloo settings for the rank actors (see raytrain_dt/control/comm_env.py)."""
+
+    # Collective timeout given to init_process_group (torch's default is 30 minutes).
+    timeout_s: float = 600.0
+    # Inter-node transport for NCCL: auto (NCCL detects: EFA plugin, InfiniBand, else sockets),
+    # ib (InfiniBand with GPUDirect RDMA) or socket (TCP only, InfiniBand off).
+    network: str = "auto"
+    # Network interface for NCCL and Gloo traffic between nodes (e.g. ens5); null: NCCL's
+    # choice and the host's address for Gloo. Single-node runs use loopback.
+    socket_ifname: str | None = None
+    # NCCL_ALGO (e.g. Ring, Tree); null leaves it to NCCL's tuner.
+    algo: str | None = None
+    # NCCL_PROTO (LL, LL128, Simple); null leaves it to NCCL's tuner.
+    proto: str | None = None
+    # NCCL_BUFFSIZE in bytes; null keeps NCCL's 4 MiB.
+    buffsize_bytes: int | None = None
+    # TORCH_NCCL_BLOCKING_WAIT: raise a timed-out collective in the train thread (debugging).
+    blocking_wait: bool = False
+    # NCCL_DEBUG level: VERSION, WARN, INFO or TRACE.
+    debug: str = "WARN"
+    # Collectives kept by torch's NCCL flight recorder, dumped to run.dir/logs on a timeout.
+    trace_buffer: int = 2000
+    # Extra environment variables for the rank actors; they win over everything above.
+    env: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass
 class ChaosAction:
     """Deterministic fault injection for tests and demos."""
 
+    # The step at whose boundary the action fires.
     at_step: int = 1
-    # kill_rank | kill_node | preempt_node | add_node | hang_rank
+    # kill_rank | kill_node | preempt_node | add_node | hang_rank | kill_rank_mid_save (the rank
+    # dies while writing the checkpoint of at_step, after its shards, before the save completes)
     action: str = "kill_rank"
     # A rank for kill_rank/hang_rank; for node actions the node holding that rank.
     target: int = 0
@@ -168,6 +268,7 @@ class TrainConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     chaos: list[ChaosAction] = field(default_factory=list)
     # Seconds added to every step while chaos is configured, so that faults a few steps apart
     # play out one after another (a node arrival takes seconds; tiny CPU steps take 0.1 s).
@@ -183,6 +284,10 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.name": ("fsdp2", "deepspeed"),
     "engine.zero_stage": (None, 0, 1, 2, 3),
     "engine.precision": ("auto", "fp32", "bf16"),
+    "model.hf_init": ("auto", "random", "weights"),
+    "data.format": ("auto", "parquet", "json", "text", "hf"),
+    "comm.network": ("auto", "ib", "socket"),
+    "comm.debug": ("VERSION", "WARN", "INFO", "TRACE"),
 }
 
 # Accepted by the schema (the planner reasons about them) but not yet run by the engines.
@@ -190,7 +295,8 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "engine.name": ("fsdp2", "deepspeed"),
 }
 
-CHAOS_ACTIONS = ("kill_rank", "kill_node", "preempt_node", "add_node", "hang_rank")
+CHAOS_ACTIONS = ("kill_rank", "kill_node", "preempt_node", "add_node", "hang_rank",
+                 "kill_rank_mid_save")  # fmt: skip
 
 _POSITIVE = (
     "data.seq_len",
@@ -224,6 +330,8 @@ _POSITIVE = (
     "model.n_kv_heads",
     "model.vocab_size",
     "model.ffn_hidden",
+    "comm.timeout_s",
+    "comm.buffsize_bytes",
 )
 
 _NON_NEGATIVE = (
@@ -235,6 +343,7 @@ _NON_NEGATIVE = (
     "checkpoint.keep_every",
     "elastic.max_restarts",
     "elastic.grow_stable_s",
+    "comm.trace_buffer",
 )
 
 
@@ -282,6 +391,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"chaos[{i}].at_step: must be >= 1, got {action.at_step}")
     if cfg.chaos_step_delay_s < 0:
         raise ConfigError(f"chaos_step_delay_s: must be >= 0, got {cfg.chaos_step_delay_s}")
+    if cfg.model.init_from and cfg.model.hf:
+        raise ConfigError("model.init_from: not with model.hf (whose directory has the weights)")
     e = cfg.elastic
     if e.max_nodes is not None and e.max_nodes < e.min_nodes:
         raise ConfigError(f"elastic.max_nodes: {e.max_nodes} < elastic.min_nodes={e.min_nodes}")

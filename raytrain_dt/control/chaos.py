@@ -23,6 +23,8 @@ class Chaos:
     simulated: object | None  # ray.cluster_utils.Cluster, when the cluster is simulated
     node_resources: dict = field(default_factory=dict)  # what an added node declares
     fired: set[int] = field(default_factory=set)
+    arrived: str | None = None  # the node the last add_node added, and when
+    arrived_at: float = 0.0
 
     def remaining(self) -> list[ChaosAction]:
         return [a for i, a in enumerate(self.actions) if i not in self.fired]

@@ -13,8 +13,10 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Protocol
 
 from raytrain_dt.config.schema import ClusterConfig
+from raytrain_dt.observe.mfu import CPU_PEAK_FLOPS
 from raytrain_dt.topology.layout import Topology
 
 log = logging.getLogger(__name__)
@@ -74,6 +76,9 @@ def connect(cluster: ClusterConfig, temp_dir: str | None = None) -> Iterator[Clu
         )
         res = _node_resources(cluster, resource)
         ray.init(
+            # "local": always a new instance. With no address, Ray would join whatever cluster
+            # /tmp/ray/ray_current_cluster names (any `ray start` on this machine) and fail.
+            address="local",
             num_cpus=res["num_cpus"],
             resources=res["resources"],
             include_dashboard=False,
@@ -138,6 +143,42 @@ def resolve_accelerator_resource(cluster: ClusterConfig) -> str:
     return "CPU"
 
 
+class ClusterView(Protocol):
+    """What the coordinator asks of the cluster (a fake in the coordinator's unit tests)."""
+
+    def nodes(self) -> list[NodeInfo]: ...
+
+    def draining(self) -> set[str]: ...
+
+    def request_capacity(self, bundles: list[dict]) -> None: ...
+
+
+@dataclass
+class RayClusterView:
+    resource: str
+
+    def nodes(self) -> list[NodeInfo]:
+        return alive_nodes(self.resource)
+
+    def draining(self) -> set[str]:
+        """Nodes the GCS is draining: `ray drain-node`, or the autoscaler before it takes a
+        spot node (`DrainNode` with a deadline). Their actors still run until the deadline."""
+        from ray._private.state import state
+
+        try:
+            return set(state.get_draining_nodes())
+        except Exception as exc:  # an older GCS without the call: no drain notices
+            log.debug("no drain information: %s", exc)
+            return set()
+
+    def request_capacity(self, bundles: list[dict]) -> None:
+        """Tell the autoscaler what the run wants (persistent until replaced; a no-op on a
+        cluster without an autoscaler)."""
+        from ray.autoscaler.sdk import request_resources
+
+        request_resources(bundles=bundles)
+
+
 def alive_nodes(resource: str) -> list[NodeInfo]:
     """Alive nodes holding the accelerator resource, sorted by node id (deterministic)."""
     import ray
@@ -148,10 +189,6 @@ def alive_nodes(resource: str) -> list[NodeInfo]:
         if count > 0:
             nodes.append(NodeInfo(node["NodeID"], count, node["Resources"].get("memory", 0.0)))
     return sorted(nodes, key=lambda n: n.node_id)
-
-
-# A CPU core's fp32 matmul rate is of this order; only the ratios between layouts matter.
-CPU_PEAK_FLOPS = 1e11
 
 
 def planning_topology(

@@ -2,44 +2,62 @@
 
 `while not state.terminal: state = step(state)`. It prepares the run, connects to Ray, asks
 the elastic policy what to do (start, resize, wait, fail), executes the decision with the rank
-group, and watches the group: progress, metrics and ledger, checkpoint commits, dead or hung
-ranks, preemption notices and new nodes. It never imports torch.distributed: everything it
-knows about ranks comes from their reports.
+group (forming and recovering it: `control/recovery.py`), and watches the group: progress,
+metrics and ledger, checkpoint commits, dead or hung ranks, preemption notices (from ranks:
+SIGTERM, spot notices; from the GCS: node drains), new nodes and the capacity to ask the
+autoscaler for. It never imports torch.distributed: everything it knows about ranks comes from
+their reports. The cluster view and the rank group are the only parts that touch Ray; `begin`
+takes them, so unit tests drive `advance` on fakes.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import logging
 import os
+import signal
+import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
+from raytrain_dt.checkpoint.initial import check_matches
+from raytrain_dt.checkpoint.record import check_resume_fits
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.load import to_yaml
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.chaos import Chaos
-from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.cluster import (
     ClusterHandle,
+    ClusterView,
     NodeInfo,
-    alive_nodes,
+    RayClusterView,
     connect,
     simulated_node_args,
 )
-from raytrain_dt.control.placement import counts_by_node
-from raytrain_dt.control.policies import ElasticPolicy, Fail, Noop, Observation, Resize, Wait
+from raytrain_dt.control.comm_env import run_comm_env, with_comm_env
+from raytrain_dt.control.policies import (
+    ElasticPolicy,
+    Fail,
+    Noop,
+    Observation,
+    Resize,
+    Wait,
+    capacity_request,
+)
 from raytrain_dt.control.rank_group import RankGroup
+from raytrain_dt.control.recovery import POLL_INTERVAL_S, GroupRecovery, broken_statuses
+from raytrain_dt.control.recovery_timing import RecoveryTimer
 from raytrain_dt.control.run_setup import (
     RunResult,
     TrainingFailed,
     model_shape,
     open_dataset,
     plan_for_nodes,
-    rank_specs,
+    uses_user_data,
 )
 from raytrain_dt.control.states import (
     Draining,
@@ -50,30 +68,38 @@ from raytrain_dt.control.states import (
     Running,
     Starting,
     State,
+    Stopped,
     Waiting,
 )
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import ConfigError, UserError
+from raytrain_dt.models.spec import ModelSpec, model_spec
+from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
 
 log = logging.getLogger(__name__)
 
-POLL_INTERVAL_S = 0.1
 CLUSTER_CHECK_INTERVAL_S = 0.5
 
 
-class Coordinator:
+class Coordinator(GroupRecovery):
     def __init__(self, cfg: TrainConfig, ray_temp_dir: str | None = None,
-                 show_progress: bool = True, simulated_cluster: object | None = None):  # fmt: skip
+                 show_progress: bool = True, simulated_cluster: object | None = None,
+                 model: ModelSpec | None = None, dataset: object | None = None,
+                 tokenize: Callable | None = None):  # fmt: skip
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir).resolve()
         self.checkpoint_root = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
         self.store = CheckpointStore(self.checkpoint_root)
         self.ray_temp_dir = ray_temp_dir
         self.show_progress = show_progress
+        self.stop_reason: str | None = None
         self.simulated_cluster = simulated_cluster
-        self.shape = model_shape(cfg)
+        # The Python API may hand over a model spec, a Ray Dataset and a tokenize map.
+        self.model_spec = model or model_spec(cfg)
+        self.shape = self.model_spec.shape
+        self.user_dataset, self.tokenize = dataset, tokenize
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> TokenDataset:
@@ -83,9 +109,15 @@ class Coordinator:
                 f"run.dir: {self.run_dir} already has checkpoints (latest step "
                 f"{existing[-1].step}); pass resume=true to continue it or choose another run.dir"
             )
-        dataset = open_dataset(self.cfg)
-        if self.shape.vocab_size < 256:
+        # User data is packed with Ray Data, so only once connected (`run`).
+        user_data = uses_user_data(self.cfg, self.user_dataset)
+        dataset = None if user_data else open_dataset(self.cfg)
+        if not user_data and self.shape.vocab_size < 256:
             raise ConfigError(f"model.vocab_size: {self.shape.vocab_size} < 256 byte tokens")
+        if self.cfg.model.init_from and not existing:
+            check_matches(self.cfg.model.init_from, self.shape)
+        if existing:  # the checkpoint to resume from must fit the configured model
+            check_resume_fits(existing[-1], self.model_spec, self.cfg.data.seq_len)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
         return dataset
@@ -94,7 +126,12 @@ class Coordinator:
         self.dataset = self._prepare()
         handler = setup_driver_logging(self.run_dir)
         try:
+            connecting = time.perf_counter()
             with connect(self.cfg.cluster, self.ray_temp_dir) as handle:
+                self.ray_start_s = time.perf_counter() - connecting  # start-up benchmark
+                if self.dataset is None:
+                    self.dataset = open_dataset(self.cfg, self.user_dataset, self.tokenize,
+                                                self.shape.vocab_size)  # fmt: skip
                 return self._run(handle)
         finally:
             logging.getLogger("raytrain_dt").removeHandler(handler)
@@ -102,22 +139,56 @@ class Coordinator:
 
     # --- the state machine -------------------------------------------------------------------
     def _run(self, handle: ClusterHandle) -> RunResult:
-        self.handle = handle
-        self.resource = handle.accelerator_resource
-        self.policy = ElasticPolicy(self.cfg.elastic, self._plan_for)
-        self.chaos = Chaos(list(self.cfg.chaos), self.simulated_cluster or handle.simulated,
-                           simulated_node_args(self.cfg.cluster, self.resource))  # fmt: skip
-        self.group = RankGroup(
-            str(self.run_dir),
-            self.resource,
-            self.cfg.cluster.cpus_per_rank,
-            runtime_env=storage_runtime_env(),
+        self.begin(
+            handle.accelerator_resource,
+            RayClusterView(handle.accelerator_resource),
+            RankGroup(
+                str(self.run_dir),
+                handle.accelerator_resource,
+                self.cfg.cluster.cpus_per_rank,
+                runtime_env=with_comm_env(
+                    storage_runtime_env(), run_comm_env(self.cfg, handle.mode, self.run_dir)
+                ),
+            ),
+            self.simulated_cluster or handle.simulated,
         )
+        self.recorder.event("connected", mode=handle.mode, ray_start_s=self.ray_start_s)
+        try:
+            # Installed only now: `ray.init` replaces any SIGTERM handler set before it.
+            with _sigterm_stops(self):
+                while not self.state.terminal:
+                    self.advance()
+        finally:
+            self.bar.close()
+            self.group.shutdown()
+            self.recorder.close()
+        if isinstance(self.state, Failed):
+            raise TrainingFailed(self.state.reason)
+        committed = self.store.committed()
+        return RunResult(str(self.run_dir), self.state.step, self.recorder.last_metrics,
+                         committed[-1].uri if committed else None, self.layout, self.timings,
+                         stopped=isinstance(self.state, Stopped))  # fmt: skip
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary with a checkpoint (safe from a signal handler: it
+        only sets a flag the loop reads)."""
+        self.stop_reason = reason
+
+    def begin(self, resource: str, cluster: ClusterView, group: RankGroup,
+              simulated: object | None = None) -> None:  # fmt: skip
+        """Ready the state machine on a cluster view and a rank group (the only parts that
+        touch Ray, so unit tests hand in fakes and drive `advance` themselves)."""
+        self.resource, self.cluster, self.group = resource, cluster, group
+        self.policy = ElasticPolicy(self.cfg.elastic, self._plan_for)
+        self.chaos = Chaos(list(self.cfg.chaos), simulated,
+                           simulated_node_args(self.cfg.cluster, self.resource))  # fmt: skip
         # The running layout (None while no group is formed) and the one before it.
         self.layout, self.layout_nodes, self.step = None, (), 0
         self.previous_layout = None
         self.formed = False
-        self.recorder = RunRecorder(self.run_dir, self._resume_point()[1])
+        resumed_step = self._resume_point()[1]
+        self.recorder = RunRecorder(self.run_dir, resumed_step,
+                                    default_sinks(self.cfg, self.run_dir, resumed_step))  # fmt: skip
         self.restarts, self.failures_at_step, self.failed_step = 0, 0, -1
         self.draining: set[str] = set()
         self.preempting: dict[str, int] = {}  # simulated notices: node -> chaos action index
@@ -128,28 +199,30 @@ class Coordinator:
         # Nodes whose actors died with their node: excluded before Ray's health check says so.
         self.lost_nodes: set[str] = set()
         self.timings: list[dict] = []
+        self.capacity_requested: list[dict] = []  # nothing asked of the autoscaler yet
+        self.recovery = RecoveryTimer()
+        self._formation_timer: RecoveryTimer | None = None  # runs until the first step
+        self._last_healthy = time.perf_counter()
         self.bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step",
                         disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
-        state: State = Starting()
-        try:
-            while not state.terminal:
-                new_state = self._step(state)
-                if type(new_state) is not type(state):
-                    self.recorder.event("transition", old=type(state).__name__.lower(),
-                                        new=type(new_state).__name__.lower(),
-                                        reason=getattr(new_state, "reason", None))  # fmt: skip
-                state = new_state
-        finally:
-            self.bar.close()
-            self.group.shutdown()
-            self.recorder.close()
-        if isinstance(state, Failed):
-            raise TrainingFailed(state.reason)
-        committed = self.store.committed()
-        return RunResult(str(self.run_dir), state.step, self.recorder.last_metrics,
-                         committed[-1].uri if committed else None, self.layout, self.timings)  # fmt: skip
+        self.state: State = Starting()
+
+    def advance(self) -> State:
+        """One iteration of the state machine; every change of state is logged with its reason."""
+        state, new_state = self.state, self._step(self.state)
+        if type(new_state) is not type(state):
+            self.recorder.event("transition", old=type(state).__name__.lower(),
+                                new=type(new_state).__name__.lower(),
+                                reason=getattr(new_state, "reason", None))  # fmt: skip
+        self.state = new_state
+        return new_state
 
     def _step(self, state: State) -> State:
+        if self.stop_reason and not isinstance(state, Draining | Running):
+            return Stopped(self.step, self.stop_reason)  # no group trains: nothing to save
+        if self.stop_reason and isinstance(state, Running):
+            return Draining(Resize(self.layout, self.layout_nodes, f"stop: {self.stop_reason}",
+                                   checkpoint_first=True))  # fmt: skip
         if isinstance(state, Starting | Waiting):
             return self._decide(
                 self._observe("ok"), waiting=state if isinstance(state, Waiting) else None
@@ -163,23 +236,50 @@ class Coordinator:
         raise AssertionError(f"unhandled state {state}")
 
     def _observe(self, health: str) -> Observation:
-        listed = alive_nodes(self.resource)
+        listed = self.cluster.nodes()
         self.lost_nodes &= {n.node_id for n in listed}  # forget them once Ray agrees
         nodes = tuple(n for n in listed if n.node_id not in self.lost_nodes)
         key = tuple(n.node_id for n in nodes)
         if key != self._nodes_key:
             self._nodes_key, self._nodes_since = key, time.time()
+        drained = self.cluster.draining() & set(key)
+        for node in drained & set(self.layout_nodes) - self.draining:
+            self._notice(node, "ray-drain", "the GCS is draining the node")
+        self._request_capacity(nodes)
         return Observation(
-            now=time.time(), nodes=nodes, draining=frozenset(self.draining), layout=self.layout,
+            now=time.time(), nodes=nodes, draining=frozenset(self.draining | drained),
+            layout=self.layout,
             layout_nodes=self.layout_nodes, health=health, step=self.step,
             restarts=self.restarts, failures_at_step=self.failures_at_step,
             nodes_stable_since=self._nodes_since,
         )  # fmt: skip
 
+    def _notice(self, node: str, source: str, detail: str) -> None:
+        """A preemption notice for a node the group uses: drain at the next step boundary."""
+        self.draining.add(node)
+        self._last_cluster_check = 0.0  # decide at once, not at the next periodic check
+        self.recovery.cause(time.perf_counter())
+        self.recorder.event("preemption_notice", node=node, step=self.step, source=source,
+                            detail=detail)  # fmt: skip
+        log.warning("preemption notice for node %s (%s): %s", node[:12], source, detail)
+
+    def _request_capacity(self, nodes: tuple[NodeInfo, ...]) -> None:
+        bundles = capacity_request(self.cfg.elastic, self.resource, nodes,
+                                   self.cfg.cluster.accelerators_per_node, self.cfg.cluster.num_ranks)  # fmt: skip
+        if bundles != self.capacity_requested:
+            self.capacity_requested = bundles
+            self.cluster.request_capacity(bundles)
+            self.recorder.event("capacity_request", bundles=bundles)
+
     def _decide(self, obs: Observation, waiting: Waiting | None = None) -> State:
         if waiting is not None:
             obs = replace(obs, waiting_since=waiting.since)
+        started = time.perf_counter()
         decision = self.policy.decide(obs)
+        if isinstance(decision, Resize):
+            if decision.checkpoint_first and not self.draining:  # growth: since nodes appeared
+                self.recovery.cause(started - (time.time() - self._nodes_since))
+            self.recovery.decided(started, time.perf_counter())
         if not isinstance(decision, Noop):
             self.recorder.event("decision", decision=type(decision).__name__.lower(), reason=decision.reason,
                                 health=obs.health, step=obs.step)  # fmt: skip
@@ -212,64 +312,19 @@ class Coordinator:
         ref = self.store.latest_valid()
         return ref, (ref.step if ref else 0)
 
-    # --- executing a Resize: (re)form the group ----------------------------------------------
-    def _form(self, state: Resizing | Restarting) -> State:
-        decision = state.decision
-        started = time.perf_counter()
-        old = self.layout or self.previous_layout
-        if self.group.slots:
-            broken = self.group.try_call("teardown", timeout_s=30)
-            self.group.drop(broken)  # hung or dead actors cannot be reused
-        resume, resume_step = self._resume_point()
-        self.recorder.rewind(resume_step)
-        self.chaos.fired.update(
-            i for i, a in enumerate(self.chaos.actions) if a.at_step <= resume_step
-        )
-        nodes = {n.node_id: n.accelerators for n in self._observe("ok").nodes}
-        counts = counts_by_node(decision.layout.dims.world_size, decision.layout.dims.tp,
-                                [(n, nodes[n]) for n in decision.nodes if n in nodes])  # fmt: skip
-        self.group.form(counts, self.cfg.cluster.placement_timeout_s)
-        formed = time.perf_counter()
-        cfg = replace(self.cfg, chaos=self.chaos.remaining())
-        specs = rank_specs(cfg, self.shape, decision.layout, self.dataset, self.group.master_endpoint(),
-                           self.checkpoint_root, resume)  # fmt: skip
-        setup = self.group.call("setup", [(s,) for s in specs])
-        self.group.call("start")
-        self.layout, self.layout_nodes = decision.layout, tuple(sorted(counts))
-        self.formed = True
-        self.step = resume_step
-        self.bar.n = resume_step
-        self.tracker = CheckpointTracker(self.store, decision.layout.dims.world_size, self.recorder,
-                                         self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)  # fmt: skip
-        self.last_progress = time.time()
-        self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
-                             "setup_s": time.perf_counter() - formed, "ranks": setup})  # fmt: skip
-        (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
-        if self._last_plan is not None:
-            (self.run_dir / "plan.json").write_text(json.dumps(self._last_plan.to_json(), indent=2))
-        self.recorder.event(
-            "resize" if old is not None else "start", reason=decision.reason,
-            old_layout=old.as_dict() if old else None, new_layout=decision.layout.as_dict(),
-            resumed_from=resume.uri if resume else None, resumed_step=resume_step,
-            lost_steps=max(0, self._failure_step - resume_step) if isinstance(state, Restarting) else 0,
-            form_s=formed - started, setup_s=time.perf_counter() - formed,
-            node_ids=[s.node_id for s in self.group.slots],
-        )  # fmt: skip
-        self._pending_first_step = time.perf_counter()
-        self._form_started = started
-        return Running()
-
-    @property
-    def _failure_step(self) -> int:
-        return max(self.step, self.failed_step)
-
     # --- running -----------------------------------------------------------------------------
     def _handle_reports(self, statuses: list[dict]) -> None:
         dims = self.layout.dims
         for status in statuses:
+            notice = status.get("notice")
+            if notice and status["state"] != "dead":
+                node = self.group.slots[status["rank"]].node_id
+                if node not in self.draining | self.lost_nodes:
+                    self._notice(node, notice["source"], notice["detail"])
             for report in status["reports"]:
                 kind = report["kind"]
                 if kind == "step":
+                    self.recorder.rank_step(status["rank"], report)
                     if "sample_ids" in report:
                         self.recorder.step_samples(report["step"], dims.coords(status["rank"]).dp,
                                                    dims.dp, report["sample_ids"])  # fmt: skip
@@ -286,17 +341,17 @@ class Coordinator:
         self.step, self.last_progress = report["step"], time.time()
         if self.failed_step < self.step:
             self.failures_at_step = 0
-        if self._pending_first_step is not None:
-            self.recorder.event("first_step", step=self.step,
-                                since_form_s=time.perf_counter() - self._form_started)  # fmt: skip
-            self._pending_first_step = None
+        if self._formation_timer is not None:  # the whole breakdown, first step included
+            timer, self._formation_timer = self._formation_timer, None
+            self.recorder.event("first_step", step=self.step, **timer.first_step())
 
     def _watch(self) -> State:
         statuses = self.group.poll()
         self._handle_reports(statuses)
-        broken = _broken(statuses)
+        broken = broken_statuses(statuses)
         if broken:
             return self._on_failure("failed", broken)
+        self._last_healthy = time.perf_counter()
         if all(s["state"] == "done" for s in statuses):
             return Finished(self.step)
         if time.time() - self.last_progress > self.cfg.elastic.hang_timeout_s:
@@ -313,92 +368,6 @@ class Coordinator:
         time.sleep(POLL_INTERVAL_S)
         return Running()
 
-    def _on_failure(self, health: str, broken: list[dict]) -> State:
-        if health == "failed":
-            broken = self._settle(broken)
-        errors = {s["rank"]: (s.get("error") or s["state"]).strip().splitlines()[0] for s in broken}
-        # Actors that died with their node mark the node lost before Ray's health check does.
-        self.lost_nodes |= {
-            s["node_id"]
-            for s in broken
-            if s["state"] == "dead" and "node" in s.get("error", "").lower()
-        }
-        self.recorder.event("failure", health=health, step=self.step, ranks=errors)
-        log.warning("ranks %s %s at step %d: %s", sorted(errors), health, self.step + 1, errors)
-        self.failures_at_step = self.failures_at_step + 1 if self.failed_step == self.step else 1
-        self.failed_step = self.step
-        self.restarts += 1
-        self.chaos.mark_rank_faults_fired(self.step + 1)
-        if health == "hung":  # threads stuck in a collective cannot be reused: replace all
-            self.group.drop(list(range(self.group.world_size)))
-        else:  # dead ones go; survivors are torn down and reused by the next formation
-            self.group.drop([s["rank"] for s in broken if s["state"] != "failed"])
-        # No group trains now: the policy plans from scratch (and Waiting cannot mistake an
-        # idle group for a finished one).
-        self.previous_layout, self.layout, self.layout_nodes = self.layout, None, ()
-        return self._decide(self._observe(health))
-
-    def _settle(self, broken: list[dict], wait_s: float = 5.0) -> list[dict]:
-        """When one rank fails, its peers fail or die within moments (a lost node takes
-        several). Collect them all before deciding, so the plan excludes every lost node."""
-        deadline = time.time() + wait_s
-        while time.time() < deadline:
-            statuses = self.group.poll()
-            self._handle_reports(statuses)
-            broken = [s for s in statuses if s["state"] != "running"]
-            if len(broken) == len(statuses) and all(s["state"] != "done" for s in broken):
-                break
-            time.sleep(0.25)
-        return _broken(broken)
-
-    def _drain(self, state: Draining) -> State:
-        """Save at the next step boundary and stop there; resize once it is committed."""
-        self.group.try_call("request_checkpoint_and_stop", timeout_s=30)
-        deadline = time.time() + self.cfg.elastic.hang_timeout_s
-        while True:
-            if time.time() > deadline:
-                return self._on_failure("hung", [])
-            statuses = self.group.poll()
-            self._handle_reports(statuses)
-            broken = _broken(statuses)
-            if broken:
-                return self._on_failure("failed", broken)
-            if all(s["state"] == "done" for s in statuses):
-                latest = self.store.committed()
-                if latest and latest[-1].step == self.step:
-                    break
-            time.sleep(POLL_INTERVAL_S)
-        self.recorder.event("drained", step=self.step, reason=state.decision.reason)
-        for node, index in self.preempting.items():  # the notice has been served: reclaim the node
-            self.chaos.fired.add(index)
-            self.chaos.kill_node(node)
-        self.preempting.clear()
-        # Nodes under notice are leaving: plan without them even before Ray reports them gone.
-        self.lost_nodes |= self.draining
-        self.draining.clear()
-        # Re-plan now: the node under notice may be gone, or the capacity may have changed.
-        decision = self.policy.decide(replace(self._observe("ok"), layout=None))
-        if isinstance(decision, Resize):
-            return Resizing(replace(decision, reason=state.decision.reason))
-        return self._decide(self._observe("ok"))
-
-    def _node_of_rank(self, rank: int) -> str:
-        return self.group.slots[min(rank, self.group.world_size - 1)].node_id
-
-    def _fire_node_chaos(self) -> None:
-        for i, action in self.chaos.due_node_actions(self.step):
-            if action.action == "kill_node":
-                self.chaos.fired.add(i)
-                self.chaos.kill_node(self._node_of_rank(action.target))
-            elif action.action == "add_node":
-                self.chaos.fired.add(i)
-                self.chaos.add_node()
-            elif action.action == "preempt_node" and i not in self.preempting.values():
-                node = self._node_of_rank(action.target)
-                self.preempting[node] = i
-                self.draining.add(node)
-                self.recorder.event("preemption_notice", node=node, step=self.step)
-
 
 def storage_runtime_env() -> dict | None:
     """The driver's AWS_* settings (credentials, region, AWS_ENDPOINT_URL) for the rank actors.
@@ -410,12 +379,30 @@ def storage_runtime_env() -> dict | None:
     return {"env_vars": env} if env else None
 
 
-def _broken(statuses: list[dict]) -> list[dict]:
-    return [s for s in statuses if s["state"] in ("failed", "dead", "unresponsive")]
-
-
 def train(cfg: TrainConfig, **kwargs) -> RunResult:
+    """Run training to the end. A SIGTERM to this process (`ray job stop`, a scheduler, a
+    spot driver node) stops it gracefully: checkpoint at the next step boundary, then return
+    with `stopped`; a second SIGTERM exits at once."""
     return Coordinator(cfg, **kwargs).run()
 
 
-__all__ = ["Coordinator", "RunResult", "TrainingFailed", "train"]
+@contextlib.contextmanager
+def _sigterm_stops(coordinator: Coordinator) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may handle signals
+        return
+
+    def on_sigterm(signum, frame):
+        if coordinator.stop_reason:
+            raise SystemExit(128 + signum)
+        log.warning("SIGTERM: stopping at the next step boundary with a checkpoint")
+        coordinator.request_stop("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+__all__ = ["Coordinator", "RunResult", "TrainingFailed", "model_shape", "train"]

@@ -129,3 +129,18 @@ def _nodes_for(layout: Layout, nodes: tuple[NodeInfo, ...]) -> tuple[str, ...]:
     counts = counts_by_node(layout.dims.world_size, layout.dims.tp,
                             [(n.node_id, n.accelerators) for n in nodes])  # fmt: skip
     return tuple(sorted(counts))
+
+
+def capacity_request(elastic: ElasticConfig, resource: str, nodes: tuple[NodeInfo, ...],
+                     accelerators_per_node: int, num_ranks: int | None) -> list[dict]:  # fmt: skip
+    """What the autoscaler is asked for: one node-sized bundle per node the run could use, up
+    to `elastic.max_nodes` and no more than `cluster.num_ranks` needs. Empty when neither
+    bounds the run (there is no finite capacity to ask for)."""
+    per_node = max((n.accelerators for n in nodes), default=accelerators_per_node)
+    wanted = elastic.max_nodes
+    if num_ranks:
+        needed = -(-num_ranks // per_node)
+        wanted = needed if wanted is None else min(wanted, needed)
+    if wanted is None:
+        return []
+    return [{resource: per_node} for _ in range(max(wanted, elastic.min_nodes))]

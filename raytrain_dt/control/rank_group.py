@@ -28,6 +28,7 @@ class ActorSlot:
     ip: str
     pg: object
     bundle_index: int
+    pid: int = 0  # the actor's worker process
 
 
 @dataclass
@@ -111,7 +112,7 @@ class RankGroup:
             ).remote(self.run_dir, self._next_index))  # fmt: skip
             self._next_index += 1
         reports = ray.get([h.where.remote() for h in handles])
-        return [ActorSlot(h, r["node_id"], r["actor_index"], r["ip"], pg, b)
+        return [ActorSlot(h, r["node_id"], r["actor_index"], r["ip"], pg, b, r["pid"])
                 for h, r, (pg, b) in zip(handles, reports, places)]  # fmt: skip
 
     def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:

@@ -16,7 +16,8 @@ from raytrain_dt.data.pipeline import DataSlice
 from raytrain_dt.data.prepare import prepare_dataset
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import PlanningError
-from raytrain_dt.models.presets import ModelShape, resolve_shape
+from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.models.spec import ModelSpec, model_spec
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.planner import LayoutPins, Plan, plan
 from raytrain_dt.worker.device import resolve_precision
@@ -39,24 +40,28 @@ class RunResult:
     latest_checkpoint: str | None
     layout: Layout
     setup_timings: list[dict] = field(default_factory=list)
+    stopped: bool = False  # stopped on request before the last step; run again to resume
 
 
 def model_shape(cfg: TrainConfig) -> ModelShape:
-    m = cfg.model
-    return resolve_shape(
-        m.preset,
-        dim=m.dim,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        vocab_size=m.vocab_size,
-        ffn_hidden=m.ffn_hidden,
-        tie_embeddings=m.tie_embeddings,
-    )
+    """The planner's facts about the configured model (preset or `model.hf`)."""
+    return model_spec(cfg).shape
 
 
-def open_dataset(cfg: TrainConfig) -> TokenDataset:
-    """The run's dataset; the default corpus is prepared on first use."""
+def uses_user_data(cfg: TrainConfig, dataset: object | None = None) -> bool:
+    """Whether the run's samples come from a source still to be packed (needs Ray Data)."""
+    return dataset is not None or bool(cfg.data.source)
+
+
+def open_dataset(cfg: TrainConfig, dataset: object | None = None, tokenize=None,
+                 vocab_size: int | None = None) -> TokenDataset:  # fmt: skip
+    """The run's dataset; the default corpus is prepared on first use. A user source
+    (`data.source`, or a Ray Dataset object) is packed into the run's cache first."""
+    if uses_user_data(cfg, dataset):
+        from raytrain_dt.data.user_data import open_user_dataset
+
+        cache = Path(cfg.data.cache_dir or Path(cfg.run.dir) / "data_cache")
+        return open_user_dataset(cfg.data, cache, vocab_size, dataset, tokenize)
     path = Path(cfg.data.path)
     if not path.exists() and (cfg.data.path == DEFAULT_DATA_PATH or cfg.data.text_glob):
         log.info(
@@ -81,6 +86,7 @@ def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gp
         seq_len=cfg.data.seq_len,
         pins=pins,
         precision=resolve_precision(cfg.engine.precision, on_gpu),
+        engine=cfg.engine.name,
     )
 
 
@@ -101,7 +107,7 @@ def plan_for_nodes(cfg: TrainConfig, shape: ModelShape, resource: str,
 
 def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: TokenDataset,
                master: tuple[str, int], checkpoint_root: str,
-               resume: CheckpointRef | None) -> list[RankSpec]:  # fmt: skip
+               resume: CheckpointRef | None, model: ModelSpec | None = None) -> list[RankSpec]:  # fmt: skip
     start_step = resume.step if resume else 0
     consumed = resume.consumed_samples if resume else 0
     specs = []
@@ -115,5 +121,6 @@ def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: Tok
             rank=rank, layout=layout, master_addr=master[0], master_port=master[1], cfg=cfg,
             shape=shape, data=data, start_step=start_step, end_step=cfg.trainer.steps,
             checkpoint_root=checkpoint_root, resume_from=resume.path if resume else None,
+            model=model,
         ))  # fmt: skip
     return specs

@@ -59,9 +59,20 @@ class Finished:
 
 
 @dataclass(frozen=True)
+class Stopped:
+    """Asked to stop (SIGTERM, `ray job stop`): checkpointed at a step boundary, resumable."""
+
+    step: int
+    reason: str
+    terminal = True
+
+
+@dataclass(frozen=True)
 class Failed:
     reason: str
     terminal = True
 
 
-State = Starting | Running | Draining | Resizing | Restarting | Waiting | Finished | Failed
+State = (
+    Starting | Running | Draining | Resizing | Restarting | Waiting | Finished | Stopped | Failed
+)

@@ -47,6 +47,22 @@ def _token_stream(files: list[str], max_tokens: int | None) -> np.ndarray:
     return stream[:max_tokens] if max_tokens is not None else stream
 
 
+def write_part(out: Path, part: int, start: int, rows: np.ndarray) -> Path:
+    """Write sequences `rows` (n, seq_len), sample ids from `start`, as part file `part`."""
+    seq_len = rows.shape[1]
+    column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1).astype(np.int32)), seq_len)
+    table = pa.table(
+        {
+            "sample_id": pa.array(np.arange(start, start + len(rows), dtype=np.int64)),
+            "tokens": column,
+        },
+        schema=pa.schema([("sample_id", pa.int64()), ("tokens", pa.list_(pa.int32(), seq_len))]),
+    )
+    path = out / f"part-{part:05d}.parquet"
+    pq.write_table(table, path)
+    return path
+
+
 def prepare_dataset(
     out: str | Path, text_glob: str | None = None, seq_len: int = 128, max_tokens: int | None = None
 ) -> dict:
@@ -67,18 +83,8 @@ def prepare_dataset(
     out.mkdir(parents=True, exist_ok=True)
     for old in out.glob("part-*.parquet"):
         old.unlink()
-    list_type = pa.list_(pa.int32(), seq_len)
     for part, start in enumerate(range(0, num_samples, ROWS_PER_FILE)):
-        rows = tokens[start : start + ROWS_PER_FILE]
-        column = pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), seq_len)
-        table = pa.table(
-            {
-                "sample_id": pa.array(np.arange(start, start + len(rows), dtype=np.int64)),
-                "tokens": column,
-            },
-            schema=pa.schema([("sample_id", pa.int64()), ("tokens", list_type)]),
-        )
-        pq.write_table(table, out / f"part-{part:05d}.parquet")
+        write_part(out, part, start, tokens[start : start + ROWS_PER_FILE])
     meta = {
         "num_samples": int(num_samples),
         "seq_len": seq_len,

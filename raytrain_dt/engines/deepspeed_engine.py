@@ -28,8 +28,11 @@ from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
-from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.spec import ModelSpec, llama_spec
 from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
+from raytrain_dt.topology.planner import engine_refusal
 from raytrain_dt.worker.device import DeviceSpec
 
 log = logging.getLogger("raytrain_dt.deepspeed")
@@ -39,22 +42,14 @@ UNIVERSAL_TAG = "ds_universal"
 
 
 def check_layout(layout: Layout) -> None:
-    """Reject what this engine cannot run, naming the config key at fault."""
+    """Reject what this engine cannot run, naming the config key at fault (the same refusal
+    the planner gives at plan time)."""
     d = layout.dims
-    if d.tp > 1:
-        raise ValueError(f"parallel.tp: {d.tp} is not supported by engine.name=deepspeed (use 1)")
-    if d.pp > 1 and layout.zero_stage >= 2:
-        raise ValueError(
-            f"engine.zero_stage: {layout.zero_stage} cannot be combined with parallel.pp={d.pp} "
-            "(DeepSpeed pipeline parallelism allows ZeRO-1 at most)"
-        )
-    if d.pp > 1:
-        raise ValueError(
-            f"parallel.pp: {d.pp} is not supported by engine.name=deepspeed; "
-            "ZeRO-1 + PP is not supported in this version"
-        )
+    refusal = engine_refusal("deepspeed", d.tp, d.pp, layout.zero_stage)
+    if refusal:
+        raise ConfigError(refusal)
     if d.cp > 1:
-        raise ValueError(f"parallel.cp: {d.cp} is not supported by engine.name=deepspeed")
+        raise ConfigError(f"parallel.cp: {d.cp} is not supported by engine.name=deepspeed")
 
 
 def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> dict:
@@ -64,6 +59,9 @@ def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> di
         "stage": layout.zero_stage,
         # We report the norm every step (it is also what clipping uses).
         "compute_grad_norm": True,
+        # ZeRO-1/2 allocate a whole bucket of this many elements during backward; pinned here
+        # so the planner's memory model prices the same buffer.
+        "reduce_bucket_size": DEEPSPEED_REDUCE_BUCKET,
     }
     if layout.zero_stage == 3:
         # DeepSpeed keeps parameters under 1e5 elements unpartitioned by default; the planner's
@@ -72,7 +70,7 @@ def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> di
         # Saving writes each rank's fp32 partition; no 16-bit consolidated copy is wanted.
         zero["stage3_gather_16bit_weights_on_model_save"] = False
     if layout.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.device_type == "cuda"}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.pin_memory}
     config: dict = {
         "train_batch_size": layout.global_batch,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
@@ -126,15 +124,18 @@ class DeepSpeedEngine:
         layout: Layout,
         mesh: DeviceMesh,
         device: DeviceSpec,
+        spec: ModelSpec | None = None,
     ):
         self.cfg = cfg
         self.layout = layout
         self.device = device
+        spec = spec or llama_spec(model.shape)
+        self._loss = spec.loss_fn()
         self.ds_config = deepspeed_config(cfg, layout, device)
         if layout.activation_checkpointing:
             from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, spec.blocks(model))
         import deepspeed
 
         # DeepSpeed picks its device from LOCAL_RANK; the actor has already selected it.
@@ -171,7 +172,7 @@ class DeepSpeedEngine:
         loss_sum = torch.zeros((), dtype=torch.float64)
         for tokens in micro_batches:
             tokens = tokens.to(self.engine.device)
-            loss = next_token_loss(self.engine(tokens), tokens)
+            loss = self._loss(self.engine(tokens), tokens)
             # Scales by 1/GAS and reduces gradients only at the accumulation boundary.
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary() and self.layout.zero_stage == 0:

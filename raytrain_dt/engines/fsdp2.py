@@ -1,9 +1,12 @@
 """FSDP2 engine: `fully_shard` per block and at the root, AdamW, clipping, DCP state.
 
 zero_stage maps to FSDP2 as: 0 -> replicate only (DDP semantics through HSDP with shard size
-1), 1 and 2 -> grad-op sharding (`reshard_after_forward=False`), 3 -> full sharding. Gradient
-sync is switched off on non-final micro-steps, and each micro-step's loss is divided by the
-accumulation count, so the reduced gradient is the gradient of the global-batch mean.
+1), 1 and 2 -> grad-op sharding (`reshard_after_forward=False`), 3 -> full sharding. Each
+micro-step's loss is divided by the accumulation count, so the reduced gradient is the gradient
+of the global-batch mean. As in ZeRO, stages 0 and 1 keep full gradients while accumulating:
+their sync is switched off on non-final micro-steps (one reduction per step); stages 2 and 3
+shard gradients, so they reduce-scatter every micro-step rather than hold every unsharded
+gradient until the last one (the memory and cost models in `topology/` price exactly this).
 
 With pipeline parallelism (`parallel/pipeline.py`) each rank parallelizes its stage models the
 same way (TP, AC, FSDP over its DP mesh) and one schedule step replaces the micro-step loop; the
@@ -12,6 +15,8 @@ gradient norm then sums over the pp group, and state dicts keep the unsplit mode
 
 from __future__ import annotations
 
+import contextlib
+import time
 from concurrent.futures import Future
 
 import torch
@@ -27,14 +32,17 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from raytrain_dt.checkpoint.export import model_tensors
+from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
+from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
-from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.models.spec import ModelSpec, llama_spec
 from raytrain_dt.parallel.pipeline import Pipeline, StageUnion, gather_stage_dicts, split_model
-from raytrain_dt.parallel.tensor_parallel import apply_tensor_parallel
+from raytrain_dt.parallel.tensor_parallel import loss_context
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.worker.device import DeviceSpec
 
@@ -45,11 +53,13 @@ from raytrain_dt.worker.device import DeviceSpec
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def apply_activation_checkpointing(model: nn.Module) -> None:
+def apply_activation_checkpointing(model: nn.Module, blocks: nn.ModuleDict | None = None) -> None:
+    """Checkpoint each block (the model's `layers` unless its spec names other blocks)."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
-    for name, block in list(model.layers.named_children()):
-        model.layers.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
+    blocks = model.layers if blocks is None else blocks
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
 
 
 class FSDP2Engine:
@@ -60,17 +70,21 @@ class FSDP2Engine:
         layout: Layout,
         mesh: DeviceMesh,
         device: DeviceSpec,
+        spec: ModelSpec | None = None,
     ):
         self.cfg = cfg
         self.layout = layout
         self.mesh = mesh
         self.device = device
+        # Which modules are blocks, ends, TP plan and loss: our decoder's unless told.
+        self.spec = spec or llama_spec(model.shape)
+        self._loss = self.spec.loss_fn()
         self.pipeline: Pipeline | None = None
         self._pp_group = None
         if layout.dims.pp_enabled:
             pp_mesh = mesh["pp"]
             self._pp_group = pp_mesh.get_group()
-            parts = split_model(model, layout, pp_mesh.get_local_rank())
+            parts = split_model(model, layout, pp_mesh.get_local_rank(), self.spec)
         else:
             parts = [model]
         for part in parts:
@@ -79,10 +93,10 @@ class FSDP2Engine:
             cuda = device.device_type == "cuda"
             stage_device = device.device(torch.cuda.current_device() if cuda else 0)
             self.pipeline = Pipeline(
-                parts, layout, self._pp_group, pp_mesh.get_local_rank(), stage_device
+                parts, layout, self._pp_group, pp_mesh.get_local_rank(), stage_device, self._loss
             )
             # One module under the full model's names for the optimizer and checkpoints.
-            model = StageUnion(parts)
+            model = StageUnion(parts, self.spec.parts)
         self.model = model
         self.optimizer = build_adamw(model, self.cfg.trainer)
         self._dp_group = mesh["dp"].get_group()
@@ -91,9 +105,9 @@ class FSDP2Engine:
         """TP, then activation checkpointing, then FSDP over the DP mesh (one pipeline stage)."""
         layout, mesh, device = self.layout, self.mesh, self.device
         if layout.dims.tp_enabled:
-            apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
+            self.spec.apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
         if layout.activation_checkpointing:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, self.spec.blocks(model))
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
         shard_kwargs: dict = {"mesh": dp_mesh}
         if device.mixed_precision:
@@ -101,9 +115,9 @@ class FSDP2Engine:
                 param_dtype=device.param_dtype, reduce_dtype=device.reduce_dtype
             )
         if layout.offload_optimizer:
-            shard_kwargs["offload_policy"] = CPUOffloadPolicy()
+            shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.pin_memory)
         reshard = layout.zero_stage == 3
-        for block in model.layers.values():
+        for block in self.spec.blocks(model).values():
             fully_shard(block, reshard_after_forward=reshard, **shard_kwargs)
         # The root holds embeddings, final norm and head; they are used last in backward, so
         # resharding them after forward would only add an all-gather.
@@ -143,42 +157,74 @@ class FSDP2Engine:
         accum = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, tokens in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == accum - 1)
+            self.model.set_requires_gradient_sync(i == accum - 1 or self.layout.zero_stage >= 2)
             tokens = self._to_device(tokens)
-            loss = next_token_loss(self.model(tokens), tokens)
-            (loss / accum).backward()
+            with loss_context(self.layout.dims.tp_enabled):
+                loss = self._loss(self.model(tokens), tokens)
+                (loss / accum).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum / accum
 
     def _pipeline_micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step; the mean loss, known on every stage of this pipeline."""
-        local = self.pipeline.step([self._to_device(m) for m in micro_batches])
+        with loss_context(self.layout.dims.tp_enabled):
+            local = self.pipeline.step([self._to_device(m) for m in micro_batches])
         # Only the last stage computes the loss; rank 0 (first stage) reports it.
         loss = torch.zeros((), dtype=torch.float64) if local is None else local
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._pp_group)
         return loss
 
     # --- checkpoint state ----------------------------------------------------------------------
-    def save(self, checkpoint_dir: str) -> None:
+    _stager: ReusableStager | None = None  # created by the first async save, then reused
+    staging_wait_s = 0.0  # how long the optimizer waited for the last async save's copy
+
+    def save(self, checkpoint_dir: str, storage_writer=None) -> None:
+        """`storage_writer` replaces the default one for `checkpoint_dir` (fault injection)."""
         model_sd, optim_sd = self._state_dicts()
-        dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp_writer(checkpoint_dir))
+        dcp.save({"model": model_sd, "optim": optim_sd},
+                 storage_writer=storage_writer or dcp_writer(checkpoint_dir))  # fmt: skip
 
-    def save_async(self, checkpoint_dir: str, process_group) -> Future:
-        """Stage the shards to CPU memory and write them in a background thread.
+    def save_async(self, checkpoint_dir: str, process_group, storage_writer=None) -> Future:
+        """Save in the background; returns the future of the write.
 
-        Returns once staging is done, so training stalls only for the copy. The background
+        Training is blocked only while the state dict is gathered: the shards are copied into
+        CPU buffers reused across saves (`ReusableStager`; the caller keeps one save in flight)
+        on a staging thread during the next step's forward and backward, and that step's
+        optimizer, the first thing to change the saved state, waits for the copy. The write's
         collectives run on `process_group` (gloo), never on the training group, so they cannot
         interleave with the next step's collectives.
         """
+        if self._stager is None:
+            self._stager = ReusableStager(background=True)
         model_sd, optim_sd = self._state_dicts()
-        return dcp.async_save(
+        response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=dcp_writer(checkpoint_dir),
+            storage_writer=storage_writer or dcp_writer(checkpoint_dir),
             process_group=process_group,
+            async_stager=self._stager,
         )
+        self._hold_optimizer_until(response.staging_completion)
+        return response.upload_completion
+
+    def _hold_optimizer_until(self, staged: Future) -> None:
+        def wait_for_staging(*_) -> None:
+            handle.remove()
+            started = time.perf_counter()
+            # A failed copy fails the save (its write future), not the training step.
+            with contextlib.suppress(Exception):
+                staged.result()
+            self.staging_wait_s = time.perf_counter() - started
+
+        self.staging_wait_s = 0.0
+        handle = self.optimizer.register_step_pre_hook(wait_for_staging)
 
     def load(self, checkpoint_dir: str) -> None:
         model_sd, optim_sd = self._state_dicts()
+        # Every wrong shape in one error, before anything is read (DCP's metadata alone). A
+        # pipeline stage checks only the tensors it holds.
+        ours = tensor_shapes(model_sd)
+        saved = {n: list(size) for n, (size, _) in model_tensors(checkpoint_dir).items()}
+        check_fits(checkpoint_dir, {n: saved[n] for n in ours if n in saved}, ours)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=dcp_reader(checkpoint_dir))
         set_state_dict(

@@ -13,6 +13,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from raytrain_dt.models.presets import ModelShape
 
@@ -133,5 +134,11 @@ def build_model(shape: ModelShape, max_seq_len: int, seed: int) -> LlamaDecoder:
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy of predicting tokens[:, 1:] from logits[:, :-1], in fp32."""
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten().long())
+    """Mean cross entropy of predicting tokens[:, 1:] from logits[:, :-1], in fp32.
+
+    Vocab-sharded DTensor logits (tensor parallelism) give a replicated DTensor loss under
+    `loss_parallel`; it is returned as the plain (differentiable) local tensor, so callers
+    need not know.
+    """
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten().long())
+    return loss.to_local() if isinstance(loss, DTensor) else loss

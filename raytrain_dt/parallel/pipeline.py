@@ -4,7 +4,8 @@ The model is split by hand (no tracing) into `pp * virtual_stages` stages. A sta
 decoder with the layers it does not own removed from `layers` and with `tok_embeddings` (all but
 the first stage) or `norm` and `output` (all but the last) set to None, so it keeps the full
 model's parameter names and checkpoints stay layout-free. Stage s lives on pp rank s % pp
-(looped assignment, what the interleaved schedule expects).
+(looped assignment, what the interleaved schedule expects). For another model the same holds
+for the modules its `ModelSpec.parts` names (blocks, first-stage and last-stage modules).
 
 Each optimizer step is one schedule step over `grad_accum` micro-batches of `micro_batch`
 sequences. The schedule sums the micro-batch losses it back-propagates, so the loss function
@@ -28,6 +29,7 @@ from torch.distributed.pipelining import (
 )
 
 from raytrain_dt.models.llama import next_token_loss
+from raytrain_dt.models.spec import ModelParts, ModelSpec, get_path, llama_spec, set_path
 from raytrain_dt.topology.layout import Layout
 
 log = logging.getLogger(__name__)
@@ -93,28 +95,35 @@ def stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
     return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
-def split_model(model: nn.Module, layout: Layout, pp_rank: int) -> list[nn.Module]:
-    """This rank's stage models, in stage order. `model` must not be used afterwards."""
-    n_layers = model.shape.n_layers
-    validate_pipeline(layout, n_layers, model.shape.tie_embeddings)
+def split_model(
+    model: nn.Module, layout: Layout, pp_rank: int, spec: ModelSpec | None = None
+) -> list[nn.Module]:
+    """This rank's stage models, in stage order. `model` must not be used afterwards.
+
+    `spec` names the blocks and the end modules (our decoder's when None)."""
+    spec = spec or llama_spec(model.shape)
+    n_layers = spec.shape.n_layers
+    validate_pipeline(layout, n_layers, spec.shape.tie_embeddings)
     num_stages = layout.dims.pp * layout.virtual_stages
     counts = stage_layer_counts(n_layers, num_stages)
     starts = [sum(counts[:s]) for s in range(num_stages)]
-    names = list(model.layers.keys())
+    blocks = spec.blocks(model)
+    names = list(blocks.keys())
     parts = []
     for stage in stage_indices(pp_rank, layout.dims.pp, layout.virtual_stages):
         owned = set(names[starts[stage] : starts[stage] + counts[stage]])
-        dropped = [model.layers[n] for n in names if n not in owned]
+        dropped = [blocks[n] for n in names if n not in owned]
         if stage > 0:
-            dropped.append(model.tok_embeddings)
+            dropped += [get_path(model, p) for p in spec.parts.first]
         if stage < num_stages - 1:
-            dropped += [model.norm, model.output]
+            dropped += [get_path(model, p) for p in spec.parts.last]
         # Seeding deepcopy's memo with None for the dropped modules copies only what the stage
         # keeps; the full model is never duplicated.
         part = copy.deepcopy(model, memo={id(m): None for m in dropped})
+        part_blocks = spec.blocks(part)
         for name in names:
             if name not in owned:
-                del part.layers[name]
+                del part_blocks[name]
         parts.append(part)
     log.info(
         "pipeline: %d stages with %s blocks; pp rank %d holds stages %s",
@@ -136,6 +145,7 @@ class Pipeline:
         pp_group: dist.ProcessGroup,
         pp_rank: int,
         device: torch.device,
+        loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = next_token_loss,
     ):
         pp, v = layout.dims.pp, layout.virtual_stages
         num_stages = pp * v
@@ -156,7 +166,7 @@ class Pipeline:
         ]
         self.is_first = indices[0] == 0
         self.is_last = indices[-1] == num_stages - 1
-        loss_fn = self._loss_fn()
+        loss_fn = self._loss_fn(loss)
         # scale_grads=False: the loss function already divides by the micro-batch count.
         if layout.pp_schedule == "interleaved":
             self.schedule = ScheduleInterleaved1F1B(
@@ -168,11 +178,11 @@ class Pipeline:
                 self.stages[0], self.n_microbatches, loss_fn=loss_fn, scale_grads=False
             )
 
-    def _loss_fn(self) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    def _loss_fn(self, loss: Callable) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         n = self.n_microbatches
 
         def loss_fn(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-            return next_token_loss(logits, tokens) / n
+            return loss(logits, tokens) / n
 
         return loss_fn
 
@@ -208,19 +218,24 @@ class StageUnion(nn.Module):
     pipeline layout.
     """
 
-    def __init__(self, parts: list[nn.Module]):
+    def __init__(self, parts: list[nn.Module], model_parts: ModelParts | None = None):
         super().__init__()
-        self.layers = nn.ModuleDict()
+        paths = model_parts or ModelParts()
+        blocks: dict[str, nn.Module] = {}
         for part in parts:
-            if part.tok_embeddings is not None:
-                self.tok_embeddings = part.tok_embeddings
-            for name, block in part.layers.items():
-                self.layers[name] = block
-            if part.output is not None:
-                self.norm, self.output = part.norm, part.output
-        # Original order (layers by index), so state dicts list names as the full model does.
-        ordered = sorted(self.layers.items(), key=lambda item: int(item[0]))
-        self.layers = nn.ModuleDict(ordered)
+            blocks.update(get_path(part, paths.blocks).items())
+        # The full model's order (first modules, layers by index, last modules), so state
+        # dicts list names as the unsplit model does.
+        for path in paths.first:
+            for module in (get_path(part, path) for part in parts):
+                if module is not None:
+                    set_path(self, path, module)
+        ordered = sorted(blocks.items(), key=lambda item: int(item[0]))
+        set_path(self, paths.blocks, nn.ModuleDict(ordered))
+        for path in paths.last:
+            for module in (get_path(part, path) for part in parts):
+                if module is not None:
+                    set_path(self, path, module)
 
 
 def gather_stage_dicts(local: dict, pp_group: dist.ProcessGroup) -> dict:

@@ -3,7 +3,9 @@
 Column-parallel q/k/v and MLP gate/up projections, row-parallel attention output and MLP down
 projections, so each block needs one all-reduce in forward and one in backward per sub-layer,
 and the heads split evenly across TP ranks. The embedding is vocab-parallel (row-parallel over
-the vocabulary) and the head is vocab-parallel with its logits gathered.
+the vocabulary) and so are the head and the loss: the head's logits stay sharded on the vocabulary
+(`Shard(-1)`) and cross-entropy runs under `torch.distributed.tensor.parallel.loss_parallel`
+(`loss_context`), which reduces the per-shard max and sum-exp instead of gathering the logits.
 
 With sequence parallelism the residual stream between sub-layers is sharded along the sequence
 (Shard(1)): norms run on their sequence slice, each all-reduce becomes a reduce-scatter after the
@@ -17,6 +19,8 @@ Modules a pipeline stage does not hold (None) are skipped.
 
 from __future__ import annotations
 
+import contextlib
+
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -25,6 +29,7 @@ from torch.distributed.tensor.parallel import (
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
+    loss_parallel,
     parallelize_module,
 )
 
@@ -97,9 +102,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         else:
             _replicate(model.norm, tp_mesh)
     if model.output is not None:
-        root_plan["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+        # Logits stay sharded on the vocabulary (a DTensor): the loss runs vocab-parallel under
+        # `loss_context`, so the (batch, seq, vocab) logits are never gathered.
+        root_plan["output"] = ColwiseParallel(
+            input_layouts=stream, output_layouts=Shard(-1), use_local_output=False
+        )
     if root_plan:
         parallelize_module(model, tp_mesh, root_plan)
+
+
+def loss_context(tp_enabled: bool) -> contextlib.AbstractContextManager:
+    """The context the loss's forward *and* backward must run in (vocab-parallel cross-entropy).
+
+    Harmless for plain-tensor logits (a model whose plan gathers them), so an engine can enter
+    it whenever TP is on.
+    """
+    return loss_parallel() if tp_enabled else contextlib.nullcontext()
 
 
 def _replicate(module: nn.Module, tp_mesh: DeviceMesh) -> None:

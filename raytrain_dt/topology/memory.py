@@ -1,8 +1,10 @@
 """Per-rank accelerator memory model, in bytes: model states, activations and a safety margin.
 
 Pure arithmetic on a `ModelShape` and a `Layout` (no torch), so the planner can price thousands
-of layouts in milliseconds. Model states follow the ZeRO paper (Rajbhandari et al. 2020);
-activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+of layouts in milliseconds. Model states follow the ZeRO paper (Rajbhandari et al. 2020) as
+each engine implements it: FSDP2 and DeepSpeed differ in what they shard at which stage, keep
+in fp32, hold unsharded while computing and accumulate without a reduction, and
+bench/bench_memory.py checks both against the bytes the engines really hold. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"). Also home of `shape_for_params`, which invents a Llama-like shape for a
 bare parameter count so the planner can be asked about models that have no preset.
 """
@@ -23,6 +25,9 @@ STATE_BYTES: dict[str, tuple[int, int, int]] = {"bf16": (2, 2, 12), "fp32": (4, 
 # Korthikanti's constants count 2-byte activations; fp32 runs store every one of them at 4.
 ACTIVATION_SCALE: dict[str, float] = {"bf16": 1.0, "fp32": 2.0}
 LOGIT_BYTES = 4  # the loss upcasts logits to fp32 whatever the compute precision
+ENGINES = ("fsdp2", "deepspeed")
+# DeepSpeed's reduce_bucket_size (elements), pinned in the config `deepspeed_config` generates.
+DEEPSPEED_REDUCE_BUCKET = 500_000_000
 
 
 def _check_precision(precision: str) -> None:
@@ -60,6 +65,42 @@ def stage_params(shape: ModelShape, pp: int = 1) -> float:
     return float(layers * shape.params_per_layer + shape.vocab_size * shape.dim + shape.dim)
 
 
+def _check_engine(engine: str) -> None:
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+
+
+def resident_bytes_per_param(
+    engine: str, precision: str, zero_stage: int, shard: int = 1
+) -> tuple[float, float, float]:
+    """(param, grad, optimizer) bytes per (stage-local) parameter `engine` holds at the step.
+
+    FSDP2 shards all three at every stage >= 1 (grad-op differs from full sharding only in
+    when it frees the all-gathered copy, see `working_state_bytes`). Its sharded parameters
+    are fp32 and are the master copy, and gradients are reduced and kept in fp32, even under a
+    bf16 MixedPrecisionPolicy: bf16 exists only in the all-gathered compute copy.
+
+    DeepSpeed (measured on 0.19.8 with the config `deepspeed_config` generates): the module
+    keeps the compute dtype, replicated below ZeRO-3. Every ZeRO stage clones an fp32 master
+    partition, even at fp32, and steps on an fp32 gradient partition that it keeps beside the
+    partition it reduced into (fp32 `grad_accum_dtype` at ZeRO-1/2, the compute dtype at
+    ZeRO-3). Stage 0 is torch AdamW on the module (bf16 adds DeepSpeed's fp32 master copy).
+    Full ZeRO-1 gradients live only during backward.
+    """
+    _check_engine(engine)
+    _check_precision(precision)
+    p_bytes, g_bytes, o_bytes = STATE_BYTES[precision]
+    if engine == "fsdp2":
+        divisor = shard if zero_stage >= 1 else 1
+        return tuple(b / divisor for b in STATE_BYTES["fp32"])
+    if zero_stage == 0:
+        return p_bytes, g_bytes, o_bytes
+    master_and_adam = (STATE_BYTES["fp32"][2] + 4) / shard
+    if zero_stage == 3:
+        return p_bytes / shard, (g_bytes + 4) / shard, master_and_adam
+    return p_bytes, 8 / shard, master_and_adam
+
+
 def model_state_bytes(
     shape: ModelShape,
     *,
@@ -68,24 +109,79 @@ def model_state_bytes(
     shard: int = 1,
     zero_stage: int = 0,
     precision: str = "bf16",
+    engine: str = "fsdp2",
     offload_optimizer: bool = False,
     offload_params: bool = False,
 ) -> tuple[float, float, float]:
-    """(params, grads, optimizer) bytes per rank; `shard` is the ZeRO/FSDP sharding degree.
-
-    These are the sharded states only (the ZeRO paper's numbers); the transient unsharded
-    buffers that ZeRO-2/3 need while computing are added by `estimate_memory`.
-    """
-    _check_precision(precision)
+    """(params, grads, optimizer) bytes per rank at the optimizer step; `shard` is the
+    ZeRO/FSDP degree. These are the sharded states only (`resident_bytes_per_param`);
+    `estimate_memory` adds the transient buffers of forward and backward."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
-    p_bytes, g_bytes, o_bytes = STATE_BYTES[precision]
     local = stage_params(shape, pp) / tp
-    params = local * p_bytes / (shard if zero_stage >= 3 else 1)
-    grads = local * g_bytes / (shard if zero_stage >= 2 else 1)
-    optimizer = local * o_bytes / (shard if zero_stage >= 1 else 1)
+    per_param = resident_bytes_per_param(engine, precision, zero_stage, shard)
+    params, grads, optimizer = (local * b for b in per_param)
+    # FSDP2's CPUOffloadPolicy (engine.offload_optimizer) moves the parameter and gradient
+    # shards to the host too; they stay priced here, as the planner knows no host memory to
+    # check them against and offers offload only when nothing else fits.
     # Offloaded states live in host memory; the accelerator only streams them.
     return (0.0 if offload_params else params), grads, (0.0 if offload_optimizer else optimizer)
+
+
+def working_state_bytes(
+    shape: ModelShape,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    shard: int = 1,
+    zero_stage: int = 0,
+    precision: str = "bf16",
+    engine: str = "fsdp2",
+    grad_accum: int = 1,
+) -> tuple[float, float]:
+    """(params, grads) bytes held on top of `model_state_bytes` during forward and backward.
+
+    FSDP2 (also at shard size 1, where the all-gather is a copy): full sharding keeps the
+    running and the prefetched block plus the root (embedding, final norm, head: never
+    resharded after forward) unsharded in the compute dtype; grad-op, and any stage under a
+    pipeline schedule, keeps every block's all-gathered copy from its forward to its backward.
+    Gradients exist unsharded (fp32) for one block until its reduce-scatter, but stages 0 and 1
+    accumulate without sync, like ZeRO-1 (and a pipeline schedule always does), so there every
+    unsharded gradient stays until the last micro-step reduces it.
+    DeepSpeed: ZeRO-3 gathers the running and the prefetched layer and holds one layer's full
+    gradient; ZeRO-1 accumulates full gradients until the boundary reduces them; ZeRO-2 reduces
+    into its partition every micro-step, and stage 0 holds full gradients already.
+    """
+    _check_engine(engine)
+    _check_precision(precision)
+    compute_bytes, grad_bytes = STATE_BYTES[precision][0], STATE_BYTES[precision][1]
+    local = stage_params(shape, pp) / tp
+    layer = shape.params_per_layer / tp
+    if engine == "fsdp2":
+        # A pipeline schedule keeps its stages unsharded and unsynced across all micro-batches
+        # (torch.distributed.pipelining turns off resharding after backward and the reduce).
+        deferred = (grad_accum > 1 and zero_stage <= 1) or pp > 1
+        if zero_stage == 3 and pp == 1:
+            root = local - shape.n_layers * layer
+            params = (root + 2 * layer) * compute_bytes
+        else:
+            params = local * compute_bytes
+        if not deferred:
+            return params, layer * 4.0
+        # The sharded gradients appear only as the last micro-step frees the unsharded ones.
+        resident = model_state_bytes(
+            shape, tp=tp, pp=pp, shard=shard, zero_stage=zero_stage, engine=engine
+        )[1]
+        return params, local * 4.0 - resident
+    if zero_stage == 3:
+        return 2 * layer * compute_bytes, layer * grad_bytes
+    # ZeRO-1/2 stage each micro-step's gradients in one fp32 reduce bucket of
+    # `reduce_bucket_size` elements, allocated whole during backward.
+    bucket = DEEPSPEED_REDUCE_BUCKET * 4.0 if zero_stage in (1, 2) else 0.0
+    if zero_stage == 1:
+        # Gradients also accumulate unpartitioned (fp32, `grad_accum_dtype`) until the boundary.
+        return 0.0, bucket + local * 4.0 - local * 4.0 / shard
+    return 0.0, bucket
 
 
 def korthikanti_layer_bytes(
@@ -164,30 +260,27 @@ def estimate_memory(
     margin: float = 0.10,
     fused_attention: bool = True,
     offload_params: bool = False,
+    engine: str = "fsdp2",
 ) -> MemoryEstimate:
     """Peak per-rank bytes for `layout`. `margin` is a fraction of the *total* (fragmentation,
     NCCL and cuBLAS workspaces): total = (states + activations) / (1 - margin)."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     d = layout.dims
+    degrees = {"tp": d.tp, "pp": d.pp, "shard": d.dp_shard, "zero_stage": layout.zero_stage}
     params, grads, optimizer = model_state_bytes(
         shape,
-        tp=d.tp,
-        pp=d.pp,
-        shard=d.dp_shard,
-        zero_stage=layout.zero_stage,
+        **degrees,
         precision=precision,
+        engine=engine,
         offload_optimizer=layout.offload_optimizer,
         offload_params=offload_params,
     )
-    p_bytes, g_bytes, _ = STATE_BYTES[precision]
-    layer_params = shape.params_per_layer / d.tp
-    if layout.zero_stage >= 3 and d.dp_shard > 1:
-        # FSDP all-gathers the running layer and prefetches the next one.
-        params += 2 * layer_params * p_bytes
-    if layout.zero_stage >= 2 and d.dp_shard > 1:
-        # A layer's full gradient exists until its reduce-scatter completes.
-        grads += layer_params * g_bytes
+    working_params, working_grads = working_state_bytes(
+        shape, **degrees, precision=precision, engine=engine, grad_accum=layout.grad_accum
+    )
+    params += working_params
+    grads += working_grads
     activations = activation_bytes(
         shape,
         seq_len=seq_len,

@@ -14,6 +14,7 @@ nodes first, then partial nodes - so the math of the run never changes with the 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -22,7 +23,13 @@ from raytrain_dt.errors import ConfigError, PlanningError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.cost import StepTime, estimate_step_time
 from raytrain_dt.topology.layout import Layout, Topology
-from raytrain_dt.topology.memory import GB, MemoryEstimate, estimate_memory, model_state_bytes
+from raytrain_dt.topology.memory import (
+    GB,
+    MemoryEstimate,
+    estimate_memory,
+    model_state_bytes,
+    working_state_bytes,
+)
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
 
@@ -74,7 +81,8 @@ class Candidate:
 class Plan:
     best: Candidate
     alternatives: list[Candidate]
-    # Context for reports: model states per rank at the best layout's DP degree, TP = PP = 1.
+    # Context for reports: model states per rank at the best layout's DP degree and
+    # accumulation, TP = PP = 1, as the planned engine holds them at their peak.
     model_states_gb: dict[str, float] = field(default_factory=dict)
     fitting_layouts: int = 0
     memory_budget_gb: float = 0.0
@@ -121,7 +129,39 @@ _POSITIVE_PINS = {
 }  # fmt: skip
 
 
-def _validate_pins(shape: ModelShape, topo: Topology, pins: LayoutPins, global_batch: int) -> None:
+def engine_refusal(
+    engine: str, tp: int | None, pp: int | None, zero_stage: int | None
+) -> str | None:
+    """Why `engine` cannot run these degrees, as one line naming the config keys; None if it can.
+
+    DeepSpeed runs ZeRO data parallelism here: no tensor parallelism, and no pipeline
+    parallelism (DeepSpeed's own pipeline engine allows ZeRO-1 at most, since ZeRO-2/3 would
+    reduce or gather gradients and parameters per micro-batch of every stage; ZeRO-1 over
+    torch.distributed.pipelining stages is not implemented in this version).
+    """
+    if engine != "deepspeed":
+        return None
+    if (tp or 1) > 1:
+        return (
+            f"parallel.tp: {tp} is not supported with engine.name=deepspeed (ZeRO data "
+            "parallelism only); use engine.name=fsdp2 for tensor parallelism"
+        )
+    if (pp or 1) > 1 and (zero_stage or 0) >= 2:
+        return (
+            f"engine.zero_stage: {zero_stage} cannot be combined with parallel.pp={pp} under "
+            "engine.name=deepspeed: pipeline parallelism allows ZeRO-1 at most"
+        )
+    if (pp or 1) > 1:
+        return (
+            f"parallel.pp: {pp} is not supported with engine.name=deepspeed (ZeRO-1 + pipeline "
+            "is not implemented); use engine.name=fsdp2 for pipeline parallelism"
+        )
+    return None
+
+
+def _validate_pins(
+    shape: ModelShape, topo: Topology, pins: LayoutPins, global_batch: int, engine: str
+) -> None:
     """ConfigError naming the config key for a pin no layout could honour."""
     for attr, key in _POSITIVE_PINS.items():
         value = getattr(pins, attr)
@@ -162,6 +202,9 @@ def _validate_pins(shape: ModelShape, topo: Topology, pins: LayoutPins, global_b
     for broken, message in rules:
         if broken:
             raise ConfigError(message)
+    refusal = engine_refusal(engine, tp, pp, z)
+    if refusal:
+        raise ConfigError(refusal)
 
 
 def _grid(shape, topo, pins, world, global_batch):
@@ -213,6 +256,7 @@ class _Opts:
     margin: float
     mfu: float
     max_micro_batch: int
+    engine: str
 
 
 def _enumerate(shape, topo, pins, world, o: _Opts, allow_offload=False):
@@ -250,7 +294,7 @@ def _enumerate(shape, topo, pins, world, o: _Opts, allow_offload=False):
                 for mb in mbs:  # ascending: activations only grow, so stop at the first miss
                     layout = Layout(dims, zero, mb, per_rank // mb, ac, sp, offload, sched, v)
                     kw = {"seq_len": o.seq_len, "precision": o.precision}
-                    mem = estimate_memory(shape, layout, margin=o.margin, **kw)
+                    mem = estimate_memory(shape, layout, margin=o.margin, engine=o.engine, **kw)
                     if mem.total > topo.memory_per_accelerator:
                         if leanest is None or mem.total < leanest.memory.total:
                             leanest = Candidate(layout, mem, StepTime(0, 0, 0, 0, 0, 0))
@@ -268,12 +312,14 @@ def _rank_key(c: Candidate):
     return (speed, *prefs, lay.offload_optimizer, d.dp_replicate, not lay.sequence_parallel)
 
 
-def _states_gb(shape, dp, zero, precision, tp=1, pp=1) -> float:
-    states = model_state_bytes(shape, tp=tp, pp=pp, shard=dp, zero_stage=zero, precision=precision)
-    return sum(states) / GB
+def _states_gb(shape, dp, zero, precision, engine, tp=1, pp=1, grad_accum=1) -> float:
+    """Model states per rank at their peak within a step, as `engine` holds them."""
+    kw = {"tp": tp, "pp": pp, "shard": dp, "zero_stage": zero, "precision": precision}
+    working = working_state_bytes(shape, **kw, engine=engine, grad_accum=grad_accum)
+    return (sum(model_state_bytes(shape, **kw, engine=engine)) + sum(working)) / GB
 
 
-def _best_reason(best: Candidate, fitting: list[Candidate], shape, precision) -> str:
+def _best_reason(best: Candidate, fitting: list[Candidate], shape, precision, engine) -> str:
     lay, d = best.layout, best.layout.dims
     parts = [
         f"fastest estimated step ({best.step_time.total_s:.3g} s) among {len(fitting)} fitting layouts"
@@ -281,7 +327,7 @@ def _best_reason(best: Candidate, fitting: list[Candidate], shape, precision) ->
     z = lay.zero_stage
     if z == 0:
         parts.append(
-            f"plain DP fits (model states {_states_gb(shape, d.dp, 0, precision, d.tp, d.pp):.1f} GB/rank)"
+            f"plain DP fits (model states {_states_gb(shape, d.dp, 0, precision, engine, d.tp, d.pp):.1f} GB/rank)"
         )
     else:
         lower = [
@@ -293,7 +339,7 @@ def _best_reason(best: Candidate, fitting: list[Candidate], shape, precision) ->
             gap = min(c.step_time.total_s for c in lower) - best.step_time.total_s
             parts.append(f"zero={z} beats zero<{z} by {gap:.3g} s")
         else:
-            need = _states_gb(shape, d.dp_shard, z - 1, precision, d.tp, d.pp)
+            need = _states_gb(shape, d.dp_shard, z - 1, precision, engine, d.tp, d.pp)
             parts.append(
                 f"model states {need:.1f} GB/rank at zero={z - 1} leave no room; zero>={z} needed"
             )
@@ -340,13 +386,17 @@ def plan(
     mfu: float = 0.45,
     max_micro_batch: int = 16,
     top_k: int = 5,
+    engine: str = "fsdp2",
 ) -> Plan:
     """The fastest fitting layout and up to `top_k` structurally different alternatives."""
     pins = pins or LayoutPins()
     for key, value in (("trainer.global_batch", global_batch), ("data.seq_len", seq_len)):
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
-    _validate_pins(shape, topology, pins, global_batch)
+    _validate_pins(shape, topology, pins, global_batch, engine)
+    if engine == "deepspeed":
+        # Only data parallelism is left to choose (see `engine_refusal`).
+        pins = dataclasses.replace(pins, tp=1, pp=1)
     n, per_node = topology.num_accelerators, topology.accelerators_per_node
     fixed = [pins.tp, pins.pp, pins.dp_replicate, pins.dp_shard]
     if all(fixed):
@@ -354,7 +404,7 @@ def plan(
     else:  # all accelerators, then whole nodes, then partial nodes, largest first
         partial = (w for w in range(n - 1, 0, -1) if w % per_node)
         worlds = itertools.chain([n], range(n - per_node, 0, -per_node), partial)
-    opts = _Opts(global_batch, seq_len, precision, margin, mfu, max_micro_batch)
+    opts = _Opts(global_batch, seq_len, precision, margin, mfu, max_micro_batch, engine)
     for world in worlds:
         if next(_grid(shape, topology, pins, world, global_batch), None) is None:
             continue  # nothing here keeps the global batch exactly: try a smaller world
@@ -380,7 +430,7 @@ def plan(
         )
     ranked = sorted(fitting, key=_rank_key)
     best = ranked[0]
-    reason = _best_reason(best, fitting, shape, precision)
+    reason = _best_reason(best, fitting, shape, precision, engine)
     if world < n:
         reason = (
             f"uses {world} of {n} accelerators: no layout of all {n} keeps "
@@ -396,9 +446,9 @@ def plan(
         if _structure(c) not in seen:
             seen.add(_structure(c))
             alternatives.append(Candidate(c.layout, c.memory, c.step_time, _alt_reason(c, best)))
-    dp = best.layout.dims.dp
+    dp, accum = best.layout.dims.dp, best.layout.grad_accum
     states = {
-        name: round(_states_gb(shape, dp, z, precision), 3)
+        name: round(_states_gb(shape, dp, z, precision, engine, grad_accum=accum), 3)
         for name, z in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
     }
     return Plan(best, alternatives, states, len(fitting), topology.memory_per_accelerator / GB)

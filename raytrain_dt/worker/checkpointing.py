@@ -10,23 +10,29 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from concurrent.futures import Future
 
 import torch
 import torch.distributed as dist
 
-from raytrain_dt.checkpoint.storage import Location
+from raytrain_dt.checkpoint.record import RNG_DIR
+from raytrain_dt.checkpoint.storage import Location, dcp_writer
 from raytrain_dt.engines.base import Engine
 
 log = logging.getLogger(__name__)
 
 
 class RankCheckpointer:
-    def __init__(self, engine: Engine, rank: int, report: Callable[[dict], None], use_async: bool):
+    def __init__(self, engine: Engine, rank: int, report: Callable[[dict], None], use_async: bool,
+                 die_while_saving: Collection[int] = ()):  # fmt: skip
+        """`die_while_saving`: steps whose save this rank dies in the middle of (chaos
+        `kill_rank_mid_save`, for tests)."""
         self.engine = engine
+        self.die_while_saving = frozenset(die_while_saving)
         self.rank = rank
         self.report = report
         self.use_async = use_async and hasattr(engine, "save_async")
@@ -66,12 +72,15 @@ class RankCheckpointer:
         started = time.perf_counter()
         try:
             self._save_rng(uri)
+            fault = (
+                {"storage_writer": DieAfterWriting(uri)} if step in self.die_while_saving else {}
+            )
             if self.use_async:
-                future = self.engine.save_async(uri, self.write_group)
+                future = self.engine.save_async(uri, self.write_group, **fault)
                 self._pending = (step, future)
                 future.add_done_callback(lambda f, s=step, u=uri: self._finished(s, u, f))
             else:
-                self.engine.save(uri)
+                self.engine.save(uri, **fault)
                 self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
         except Exception as exc:  # permission denied, disk full, ...: this save fails, not the run
             self._failed(step, uri, exc)
@@ -101,7 +110,7 @@ class RankCheckpointer:
 
     # --- RNG ---------------------------------------------------------------------------------
     def _save_rng(self, uri: str) -> None:
-        loc = Location.parse(uri).child("rng")
+        loc = Location.parse(uri).child(RNG_DIR)
         loc.makedirs()
         buffer = io.BytesIO()
         torch.save(torch.get_rng_state(), buffer)
@@ -109,7 +118,24 @@ class RankCheckpointer:
             f.write(buffer.getvalue())
 
     def restore_rng(self, uri: str) -> None:
-        loc = Location.parse(uri).child("rng", f"rank_{self.rank}.pt")
+        loc = Location.parse(uri).child(RNG_DIR, f"rank_{self.rank}.pt")
         if loc.exists():
             with loc.fs.open(loc.path, "rb") as f:
                 torch.set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=True))
+
+
+class DieAfterWriting:
+    """Chaos: DCP's writer for `uri`, except that the process exits as soon as this rank's
+    shards are written, before the save completes (DCP's metadata is written only after every
+    rank's write results have arrived, and this rank never reports `saved`)."""
+
+    def __init__(self, uri: str):
+        self._writer = dcp_writer(uri)
+
+    def __getattr__(self, name: str):
+        return getattr(self._writer, name)
+
+    def write_data(self, plan, planner):
+        self._writer.write_data(plan, planner).wait()
+        log.warning("chaos: rank exits in the middle of a checkpoint save")
+        os._exit(1)

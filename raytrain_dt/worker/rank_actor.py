@@ -9,9 +9,7 @@ frees the model so the same actor can join the next layout without re-importing 
 from __future__ import annotations
 
 import contextlib
-import datetime
 import gc
-import itertools
 import json
 import logging
 import os
@@ -25,12 +23,17 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from raytrain_dt.checkpoint.initial import load_initial_weights
+from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
-from raytrain_dt.data.pipeline import iterate_micro_batches
 from raytrain_dt.engines.factory import build_engine
-from raytrain_dt.models.llama import build_model
+from raytrain_dt.models.spec import llama_spec
+from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.worker.checkpointing import RankCheckpointer
-from raytrain_dt.worker.device import select_device
+from raytrain_dt.worker.collective_timeout import set_collective_timeout
+from raytrain_dt.worker.device import accelerator_name, memory_usage, select_device
+from raytrain_dt.worker.input_stream import open_stream
+from raytrain_dt.worker.notices import NoticeBoard
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 
@@ -54,6 +57,7 @@ class RankWorker:
         self._stop = threading.Event()
         self._error: str | None = None
         self._done = False
+        self.notices: NoticeBoard | None = None
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(logs / f"actor_{actor_index}.log")
@@ -84,6 +88,13 @@ class RankWorker:
         self._stop.clear()
         self._error, self._done = None, False
         self._reports = queue.Queue()
+        if self.notices is None:
+            import ray
+
+            self.notices = NoticeBoard(ray.get_runtime_context().get_node_id())
+        # While it trains, a SIGTERM is a preemption notice for its node, not a sudden death.
+        self.notices.catch_sigterm(spec.cfg.elastic.sigterm_grace_s)
+        self.notices.watch_spot(spec.cfg.elastic.spot_notice_url)
         device = select_device(spec.cfg.engine.precision)
         if device.device_type == "cuda":
             gpu_ids = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if i]
@@ -98,28 +109,33 @@ class RankWorker:
             backend=device.backend,
             rank=spec.rank,
             world_size=spec.world_size,
-            timeout=datetime.timedelta(seconds=300),
+            timeout=set_collective_timeout(spec.cfg.comm.timeout_s),
         )
         mesh = spec.layout.dims.build_mesh(device.device_type)
         timings["process_group_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
-        model = build_model(spec.shape, spec.cfg.data.seq_len, spec.cfg.run.seed)
-        self.engine = build_engine(model, spec.cfg, spec.layout, mesh, device)
+        model_spec = spec.model or llama_spec(spec.shape)
+        model = model_spec.build(spec.cfg.data.seq_len, spec.cfg.run.seed)
+        self._tensor_shapes = tensor_shapes(model.state_dict())  # for the checkpoint record
+        if spec.cfg.model.init_from and not spec.resume_from:  # a checkpoint wins over it
+            load_initial_weights(model, spec.cfg.model.init_from)
+        self.engine = build_engine(model, spec.cfg, spec.layout, mesh, device, model_spec)
         self.checkpointer = RankCheckpointer(
-            self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save
-        )
+            self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save,
+            die_while_saving=[a.at_step for a in spec.cfg.chaos
+                              if a.action == "kill_rank_mid_save" and a.target == spec.rank],
+        )  # fmt: skip
+        timings["model_build_s"] = time.perf_counter() - t1
+        t_load = time.perf_counter()
         if spec.resume_from:
             self.engine.load(spec.resume_from)
             self.checkpointer.restore_rng(spec.resume_from)
-        timings["model_build_s"] = time.perf_counter() - t1
+        timings["checkpoint_load_s"] = time.perf_counter() - t_load
 
         t2 = time.perf_counter()
-        batches = iterate_micro_batches(spec.data, spec.cfg.data.prefetch_batches)
-        # Pull the first micro-batch now, so the pipeline's start-up is paid during set-up
-        # (and measured as such) rather than stalling the first step.
-        first = next(batches, None)
-        self._batches = itertools.chain([first] if first is not None else [], batches)
+        # The first steps are read here while Ray Data's pipeline starts (`input_stream`).
+        self._batches = open_stream(spec.data, spec.cfg.data.prefetch_batches)
         timings["data_start_s"] = time.perf_counter() - t2
         log.info(
             "rank %d/%d ready: %s (%s)",
@@ -134,6 +150,7 @@ class RankWorker:
         spec = self.spec
         assert spec is not None, "setup() must run before start()"
         coords = spec.layout.dims.coords(spec.rank)
+        self._device = select_device(spec.cfg.engine.precision)
         loop = LoopSpec(
             start_step=spec.start_step,
             end_step=spec.end_step,
@@ -144,6 +161,11 @@ class RankWorker:
             checkpoint_every=spec.cfg.checkpoint.every_steps,
             report_metrics=spec.rank == 0,
             report_sample_ids=coords.tp == 0 and coords.pp == 0 and coords.cp == 0,
+            model_flops_per_token=spec.shape.flops_per_token(spec.cfg.data.seq_len),
+            peak_flops_per_rank=peak_flops_per_accelerator(
+                accelerator_name(self._device), spec.cfg.cluster.peak_tflops
+            ),
+            world_size=spec.world_size,
         )
         self._thread = threading.Thread(target=self._run, args=(loop,), name="train", daemon=True)
         self._thread.start()
@@ -159,6 +181,7 @@ class RankWorker:
                 self._stop,
                 self.checkpointer.agree_requested,
                 self._chaos,
+                measure_memory=lambda: memory_usage(self._device),
             )
             self.checkpointer.wait()  # the last save is written before the rank reports done
             self._done = True
@@ -169,17 +192,8 @@ class RankWorker:
     def _save(self, step: int, consumed: int) -> None:
         spec = self.spec
         if spec.rank == 0:
-            self._reports.put({"kind": "train_state", "step": step, "train_state": {
-                "step": step,
-                "consumed_samples": consumed,
-                "global_batch": spec.layout.global_batch,
-                "layout": spec.layout.as_dict(),
-                "engine": spec.cfg.engine.name,
-                "model_shape": spec.shape.__dict__,
-                "seq_len": spec.cfg.data.seq_len,
-                "torch_version": torch.__version__,
-                "saved_at": time.time(),
-            }})  # fmt: skip
+            record = train_state_record(spec, step, consumed, self._tensor_shapes)
+            self._reports.put({"kind": "train_state", "step": step, "train_state": record})
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
 
     def request_checkpoint(self, stop: bool = False) -> None:
@@ -199,6 +213,12 @@ class RankWorker:
             if action.at_step != step or action.target != self.spec.rank:
                 continue
             if action.action == "kill_rank":
+                # The previous step's save is written and reported first, so the fault lands at
+                # the same point every run (otherwise whether that checkpoint commits is a race).
+                self.checkpointer.wait()
+                deadline = time.time() + 10
+                while not self._reports.empty() and time.time() < deadline:
+                    time.sleep(0.02)  # the coordinator's next poll collects them
                 log.warning("chaos: rank %d exits at step %d", self.spec.rank, step)
                 os._exit(1)
             if action.action == "hang_rank":
@@ -226,6 +246,7 @@ class RankWorker:
             "state": state,
             "reports": reports,
             "error": self._error,
+            "notice": self.notices.notice if self.notices else None,
         }
 
     def full_state_dict(self) -> dict:
@@ -237,7 +258,7 @@ class RankWorker:
         if self._thread is not None:
             self._thread.join(timeout_s)
 
-    def teardown(self, grace_s: float = 5.0) -> bool:
+    def teardown(self, grace_s: float = 2.0) -> bool:
         """Leave the current layout: end the loop, free model and data, destroy the process
         group. The actor (and its imported torch) stays for the next layout. Returns False when
         the training thread is stuck (in a collective with a dead or hung peer): such an actor
@@ -252,6 +273,8 @@ class RankWorker:
         self._batches = None
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self.notices is not None:
+            self.notices.release_sigterm()
         _forget_layout_caches()
         gc.collect()
         return True
@@ -261,10 +284,17 @@ def _forget_layout_caches() -> None:
     """DTensor caches sharding and redistribution plans keyed by mesh *shape and names*, and
     the cached results hold the old mesh, whose process-group names the next layout's groups
     reuse. A reused actor must drop them all, or its collectives resolve to the wrong (or no)
-    group ("Could not resolve the process group registered under the name N")."""
+    group ("Could not resolve the process group registered under the name N").
+
+    The C++ dispatch fast path keeps its own cache per thread, and `setup` (model build,
+    checkpoint load) runs DTensor ops on the actor's main thread, which outlives layouts: it is
+    cleared here, on that thread (teardown runs there too)."""
     import sys
 
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache
+
+    _clear_fast_path_sharding_prop_cache()
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]

@@ -7,11 +7,15 @@ every (re)start of the group, so one actor can serve several layouts in its life
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.data.pipeline import DataSlice
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.layout import Layout
+
+if TYPE_CHECKING:  # the spec module imports torch; this one stays pure data
+    from raytrain_dt.models.spec import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -27,6 +31,8 @@ class RankSpec:
     end_step: int
     checkpoint_root: str
     resume_from: str | None = None
+    # How to build and parallelize the model; our decoder of `shape` when None.
+    model: ModelSpec | None = None
 
     @property
     def world_size(self) -> int:

@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from raytrain_dt.engines.base import Engine
+from raytrain_dt.observe.mfu import mfu
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,10 @@ class LoopSpec:
     # Which reports this rank sends: rank 0 sends metrics; one rank per DP group sends ids.
     report_metrics: bool
     report_sample_ids: bool
+    # MFU: the model's training FLOPs per token and the peak FLOP/s of one rank (0: no MFU).
+    model_flops_per_token: float = 0.0
+    peak_flops_per_rank: float = 0.0
+    world_size: int = 1
 
 
 def run_loop(
@@ -37,8 +42,12 @@ def run_loop(
     stop: threading.Event,
     agree_save_requested: Callable[[], tuple[bool, bool]] = lambda: (False, False),
     chaos: Callable[[int], None] = lambda step: None,
+    measure_memory: Callable[[], dict] = dict,
 ) -> int:
-    """Train steps [start_step, end_step); returns the number of steps completed in total."""
+    """Train steps [start_step, end_step); returns the number of steps completed in total.
+
+    Every rank reports each step with its memory (`measure_memory`); rank 0 adds the metrics.
+    """
     consumed = spec.consumed_samples
     tokens_per_step = spec.global_batch * spec.seq_len
     for step in range(spec.start_step, spec.end_step):
@@ -52,6 +61,7 @@ def run_loop(
         step_time = time.perf_counter() - started
         consumed += spec.global_batch
         record: dict = {"kind": "step", "step": step + 1, "consumed_samples": consumed}
+        record.update(measure_memory())
         if spec.report_metrics:
             record.update(
                 loss=result.loss,
@@ -61,6 +71,9 @@ def run_loop(
                 data_wait_s=data_wait,
                 tokens_per_s=tokens_per_step / step_time,
             )
+            if spec.peak_flops_per_rank:
+                record["mfu"] = mfu(spec.model_flops_per_token, record["tokens_per_s"],
+                                    spec.world_size, spec.peak_flops_per_rank)  # fmt: skip
         if spec.report_sample_ids:
             record["sample_ids"] = [int(i) for m in micro for i in m["sample_id"]]
         report(record)

@@ -33,6 +33,8 @@ class Job:
     start_step: int = 0
     # Save a DCP checkpoint here after training (collective) and return its state-dict keys.
     checkpoint_dir: str | None = None
+    # engine.precision for `select_device` ("bf16" runs FSDP2's MixedPrecisionPolicy on CPU).
+    precision: str = "fp32"
 
 
 @dataclass
@@ -52,11 +54,10 @@ def _run_job(rank: int, job: Job) -> JobResult:
     import torch
     import torch.distributed as dist
 
-    from raytrain_dt.control.coordinator import model_shape
     from raytrain_dt.data.order import rank_positions, sample_ids
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.models.spec import model_spec
     from raytrain_dt.worker.device import select_device
 
     cfg, layout = job.cfg, job.layout
@@ -70,8 +71,9 @@ def _run_job(rank: int, job: Job) -> JobResult:
     )
     try:
         mesh = dims.build_mesh("cpu")
-        model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
-        engine = build_engine(model, cfg, layout, mesh, select_device("fp32"))
+        spec = model_spec(cfg)  # our preset, or `model.hf`
+        model = spec.build(cfg.data.seq_len, cfg.run.seed)
+        engine = build_engine(model, cfg, layout, mesh, select_device(job.precision), spec)
         if job.load_dir:
             engine.load(job.load_dir)
         dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)

@@ -23,17 +23,25 @@ def checkpoint_params(step_dir: str) -> dict[str, torch.Tensor]:
     return get_fp32_state_dict_from_zero_checkpoint(step_dir, tag="ds")
 
 
-@pytest.mark.parametrize("zero_stage", [1, 2, 3], ids=["zero1", "zero2", "zero3"])
-def test_two_rank_deepspeed_equals_single_process(make_config, zero_stage):
+@pytest.mark.parametrize(
+    ("zero_stage", "offload"),
+    [(1, False), (2, False), (3, False), (2, True)],
+    ids=["zero1", "zero2", "zero3", "zero2-offload"],
+)
+def test_two_rank_deepspeed_equals_single_process(make_config, zero_stage, offload):
+    # Offload: ZeRO-Offload keeps the fp32 master partition and steps it on the host with our
+    # torch AdamW (`zero_force_ds_cpu_optimizer: false`), not the JIT-built DeepSpeedCPUAdam.
     cfg = make_config(
         "engine.name=deepspeed",
         f"engine.zero_stage={zero_stage}",
+        f"engine.offload_optimizer={str(offload).lower()}",
         "trainer.grad_accum=2",
         "checkpoint.every_steps=5",
     )
     result = train(cfg, show_progress=False)
     assert result.layout.dims.dp == 2 and result.layout.grad_accum == 2
     assert result.layout.zero_stage == zero_stage
+    assert result.layout.offload_optimizer == offload
     metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
     ref_losses, ref_params = reference_run(cfg, cfg.trainer.steps)
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]

@@ -12,7 +12,10 @@ from reference import load_checkpoint_params
 from safetensors import safe_open
 
 from raytrain_dt.cli import main
+from raytrain_dt.config import load_config
 from raytrain_dt.control.coordinator import model_shape, train
+from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.errors import CheckpointError
 from raytrain_dt.models.llama import LlamaDecoder
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
@@ -20,8 +23,6 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, token_data):
-    from raytrain_dt.config import load_config
-
     run_dir = tmp_path_factory.mktemp("export") / "run"
     cfg = load_config("conf/test.yaml", [f"data.path={token_data}", f"run.dir={run_dir}",
                                          "trainer.steps=2", "checkpoint.every_steps=2"])  # fmt: skip
@@ -71,6 +72,27 @@ def test_ckpt_ls_and_inspect_report_a_committed_intact_checkpoint(trained, capsy
     assert "state: committed, intact" in report
     record = json.loads(Path(result.latest_checkpoint, "commit.json").read_text())
     assert f"files: {len(record['files'])}" in report
+    # The metadata record holds what the issue lists, and inspect shows it.
+    cfg, _ = trained
+    state = record["train_state"]
+    assert state["tokens"] == 16 * cfg.data.seq_len and f"tokens: {state['tokens']}" in report
+    assert state["world_size"] == cfg.cluster.num_ranks == state["layout"]["dims"]["world_size"]
+    assert f"engine: fsdp2   world size: {cfg.cluster.num_ranks}" in report
+    assert state["model_preset"] == "tiny" and state["model_shape"] == model_shape(cfg).__dict__
+    model = LlamaDecoder(model_shape(cfg), cfg.data.seq_len)
+    assert state["tensors"] == {k: list(v.shape) for k, v in model.state_dict().items()}
+    assert f"model tensors: {len(model.state_dict())}" in report
+    assert state["lr_scheduler"]["next_lr"] == pytest.approx(
+        lr_at(2, lr=cfg.trainer.lr, warmup_steps=cfg.trainer.warmup_steps,
+              total_steps=cfg.trainer.steps, min_lr_ratio=cfg.trainer.min_lr_ratio)
+    )  # fmt: skip
+    assert "lr scheduler: kind=warmup_cosine" in report
+    assert (
+        state["versions"]["torch"] == torch.__version__ and f"torch {torch.__version__}" in report
+    )
+    rng_files = sorted(p.name for p in Path(result.latest_checkpoint, "rng").iterdir())
+    assert rng_files == [f"rank_{r}.pt" for r in range(cfg.cluster.num_ranks)]
+    assert f"rng states: {cfg.cluster.num_ranks} ranks" in report
 
 
 def test_ckpt_on_a_path_without_checkpoints_is_one_line(tmp_path, capsys):
@@ -78,3 +100,75 @@ def test_ckpt_on_a_path_without_checkpoints_is_one_line(tmp_path, capsys):
     assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nothing'}: does not exist"
     assert main(["ckpt", "ls", str(tmp_path)]) == 2
     assert capsys.readouterr().err.strip() == f"error: {tmp_path}: holds no checkpoint"
+
+
+def test_bad_checkpoint_paths_are_one_line_and_create_nothing(tmp_path, capsys):
+    missing, empty = tmp_path / "missing", tmp_path / "empty"
+    empty.mkdir()
+    for path, why in ((missing, "does not exist"), (empty, "holds no checkpoint")):
+        out, dst = tmp_path / f"hf_{path.name}", tmp_path / f"dst_{path.name}"
+        for argv in (["ckpt", "consolidate", str(path), "--out", str(out)],
+                     ["ckpt", "convert", str(path), str(dst), "--to", "deepspeed"]):  # fmt: skip
+            assert main(argv) == 2
+            assert capsys.readouterr().err.strip() == f"error: {path}: {why}"
+        assert not out.exists() and not dst.exists()
+
+
+def _shapes(cfg, *overrides: str) -> dict[str, tuple]:
+    shape = model_shape(load_config("conf/test.yaml", [f"data.path={cfg.data.path}", *overrides]))
+    with torch.device("meta"):
+        return {k: tuple(v.shape) for k, v in LlamaDecoder(shape, cfg.data.seq_len).state_dict().items()}  # fmt: skip
+
+
+def _differing(cfg, other: str) -> dict[str, tuple]:
+    """name -> (checkpoint shape, model shape) of every tensor the `other` model has another
+    shape of."""
+    saved, ours = _shapes(cfg), _shapes(cfg, other)
+    return {name: (saved[name], ours[name]) for name in ours if ours[name] != saved[name]}
+
+
+def test_resuming_into_another_model_shape_is_one_error_before_anything_starts(trained, capsys):
+    cfg, result = trained
+    run_dir = Path(result.run_dir)
+    before = {p: p.read_bytes() for p in (run_dir / "events.jsonl", run_dir / "config.yaml")}
+    steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    argv = ["train", "conf/test.yaml", f"data.path={cfg.data.path}", f"run.dir={run_dir}",
+            "model.ffn_hidden=128"]  # fmt: skip
+    assert main(argv) == 2
+    (error,) = capsys.readouterr().err.strip().splitlines()
+    differing = _differing(cfg, "model.ffn_hidden=128")
+    assert len(differing) == 3 * 4  # w1, w2, w3 of each of the tiny model's 4 layers
+    assert f"{len(differing)} tensors differ" in error
+    for name, (saved, ours) in differing.items():
+        assert f"{name} checkpoint {saved} vs model {ours}" in error
+    assert "attention" not in error
+    # Nothing started: no event, no new config, no new checkpoint.
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == steps
+
+
+def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trained):
+    from raytrain_dt.checkpoint.convert import single_process_group
+    from raytrain_dt.engines.fsdp2 import FSDP2Engine
+    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.topology.layout import Layout
+    from raytrain_dt.topology.parallel_dims import ParallelDims
+    from raytrain_dt.worker.device import select_device
+
+    cfg, result = trained
+    other = load_config("conf/test.yaml", [f"data.path={cfg.data.path}", "model.n_kv_heads=4"])
+    with single_process_group():
+        layout = Layout(ParallelDims(world_size=1, dp_shard=1), 3, 1, 1)
+        device = select_device("fp32")
+        model = build_model(model_shape(other), cfg.data.seq_len, seed=1)
+        engine = FSDP2Engine(model, other, layout, layout.dims.build_mesh("cpu"), device)
+        untouched = {k: v.full_tensor().clone() for k, v in engine.model.state_dict().items()}
+        with pytest.raises(CheckpointError) as raised:
+            engine.load(result.latest_checkpoint)
+        for k, v in engine.model.state_dict().items():
+            assert torch.equal(v.full_tensor(), untouched[k])
+    differing = _differing(cfg, "model.n_kv_heads=4")
+    assert len(differing) == 2 * 4  # wk and wv of each layer
+    assert f"{len(differing)} tensors differ" in str(raised.value)
+    for name, (saved, ours) in differing.items():
+        assert f"{name} checkpoint {saved} vs model {ours}" in str(raised.value)

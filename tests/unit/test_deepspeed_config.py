@@ -7,8 +7,11 @@ import torch
 
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.deepspeed_engine import deepspeed_config
-from raytrain_dt.topology.layout import Layout
+from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.presets import PRESETS
+from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.parallel_dims import ParallelDims
+from raytrain_dt.topology.planner import LayoutPins, plan
 from raytrain_dt.worker.device import DeviceSpec
 
 CPU = DeviceSpec("cpu", "gloo", torch.float32, torch.float32)
@@ -84,11 +87,35 @@ def test_bf16_only_with_mixed_precision():
     ],
 )
 def test_unsupported_layouts_name_the_key(dims, zero, key):
-    with pytest.raises(ValueError, match=key):
+    with pytest.raises(ConfigError, match=f"^{key}: ") as err:
         deepspeed_config(TrainConfig(), Layout(dims, zero, 1, 1), CPU)
+    assert "\n" not in str(err.value)
 
 
 def test_pp_message_names_zero1_limitation():
     dims = ParallelDims(world_size=4, dp_shard=2, pp=2)
-    with pytest.raises(ValueError, match="ZeRO-1 \\+ PP is not supported in this version"):
+    with pytest.raises(ConfigError, match=r"ZeRO-1 \+ pipeline is not implemented"):
         deepspeed_config(TrainConfig(), Layout(dims, 1, 1, 1), CPU)
+
+
+@pytest.mark.parametrize(
+    ("pins", "key"),
+    [
+        (LayoutPins(tp=2), "parallel.tp"),
+        (LayoutPins(pp=2, zero_stage=1), "parallel.pp"),
+        (LayoutPins(pp=2, zero_stage=2), "engine.zero_stage"),
+        (LayoutPins(pp=2, zero_stage=3), "engine.zero_stage"),
+    ],
+)
+def test_invalid_deepspeed_pins_are_refused_at_plan_time(pins, key):
+    """The planner refuses what the engine would, before any worker starts."""
+    topology = Topology(1, 4, memory_per_accelerator=80e9)
+    with pytest.raises(ConfigError, match=f"^{key}: .*engine.name=deepspeed"):
+        plan(PRESETS["tiny"], topology, global_batch=8, seq_len=64, pins=pins, engine="deepspeed")
+
+
+def test_deepspeed_plans_data_parallelism_only():
+    # 70B on 8 x 8: FSDP2 would need TP or PP; DeepSpeed is planned onto ZeRO-3 DP alone.
+    topology = Topology(8, 8, memory_per_accelerator=80e9)
+    best = plan(PRESETS["llama-70b"], topology, global_batch=512, seq_len=4096, engine="deepspeed")
+    assert (best.best.layout.dims.tp, best.best.layout.dims.pp) == (1, 1)

@@ -7,12 +7,14 @@ import pytest
 from raytrain_dt.models.presets import PRESETS
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import (
+    DEEPSPEED_REDUCE_BUCKET,
     activation_bytes,
     estimate_memory,
     korthikanti_layer_bytes,
     model_state_bytes,
     shape_for_params,
     stage_params,
+    working_state_bytes,
 )
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
@@ -26,19 +28,63 @@ def test_llama7b_parameter_count() -> None:
 
 
 def test_7b_zero3_over_64_ranks_is_16_bytes_over_64() -> None:
+    # FSDP2 keeps fp32 shards (the master copy) and fp32 gradients under bf16 compute.
     params, grads, opt = model_state_bytes(L7, shard=64, zero_stage=3)
-    assert (params, grads, opt) == (P7 * 2 / 64, P7 * 2 / 64, P7 * 12 / 64)
+    assert (params, grads, opt) == (P7 * 4 / 64, P7 * 4 / 64, P7 * 8 / 64)
     assert params + grads + opt == 1_684_603_904  # = P / 4
+    # DeepSpeed: bf16 partitions, plus an fp32 master partition and its fp32 gradient.
+    ds = model_state_bytes(L7, shard=64, zero_stage=3, engine="deepspeed")
+    assert ds == (P7 * 2 / 64, P7 * (2 + 4) / 64, P7 * (4 + 8) / 64)
 
 
 @pytest.mark.parametrize(
-    ("zero", "bytes_per_param"),
-    [(0, 16.0), (1, 2 + 2 + 12 / 8), (2, 2 + 2 / 8 + 12 / 8), (3, 16 / 8)],
+    ("engine", "zero", "bytes_per_param"),
+    [
+        ("fsdp2", 0, 16.0),
+        ("fsdp2", 1, 16 / 8),
+        ("fsdp2", 2, 16 / 8),
+        ("fsdp2", 3, 16 / 8),
+        ("deepspeed", 0, 16.0),
+        # At the optimizer step ZeRO-1 and 2 both hold fp32 gradient partitions only.
+        ("deepspeed", 1, 2 + 8 / 8 + 12 / 8),
+        ("deepspeed", 2, 2 + 8 / 8 + 12 / 8),
+        ("deepspeed", 3, (2 + 6 + 12) / 8),
+    ],
 )
-def test_zero_stages_over_8_ranks(zero, bytes_per_param) -> None:
-    assert sum(model_state_bytes(L7, shard=8, zero_stage=zero)) == pytest.approx(
-        P7 * bytes_per_param
+def test_zero_stages_over_8_ranks(engine, zero, bytes_per_param) -> None:
+    states = model_state_bytes(L7, shard=8, zero_stage=zero, engine=engine)
+    assert sum(states) == pytest.approx(P7 * bytes_per_param)
+
+
+def test_deepspeed_fp32_still_clones_a_master_partition() -> None:
+    assert model_state_bytes(L7, precision="fp32", engine="deepspeed") == (P7 * 4, P7 * 4, P7 * 8)
+    ds1 = model_state_bytes(L7, shard=2, zero_stage=1, precision="fp32", engine="deepspeed")
+    assert ds1 == (P7 * 4, P7 * 8 / 2, P7 * 12 / 2)
+    with pytest.raises(ValueError, match="engine"):
+        model_state_bytes(L7, engine="megatron")
+
+
+def test_working_states_follow_each_engines_sync_and_reshard() -> None:
+    kw = {"shard": 8, "precision": "bf16"}
+    root = P7 - 32 * LAYER7
+    # FSDP2 full sharding: root and two blocks all-gathered; grad-op: every block.
+    assert working_state_bytes(L7, zero_stage=3, **kw) == ((root + 2 * LAYER7) * 2, LAYER7 * 4)
+    assert working_state_bytes(L7, zero_stage=2, **kw)[0] == P7 * 2
+    # Stages 0/1 accumulate without sync: every gradient stays unsharded (fp32) till the last
+    # micro-step; stage 2 reduce-scatters every micro-step; a pipeline always defers.
+    assert working_state_bytes(L7, zero_stage=1, grad_accum=4, **kw)[1] == P7 * 4 - P7 * 4 / 8
+    assert working_state_bytes(L7, zero_stage=2, grad_accum=4, **kw)[1] == LAYER7 * 4
+    stage = stage_params(L7, 2)
+    assert working_state_bytes(L7, zero_stage=3, pp=2, **kw) == (
+        stage * 2,
+        stage * 4 - stage * 4 / 8,
     )
+    # DeepSpeed: ZeRO-1 accumulates full gradients and ZeRO-1/2 stage them in a reduce bucket.
+    bucket = DEEPSPEED_REDUCE_BUCKET * 4
+    ds = {"engine": "deepspeed", "grad_accum": 4, **kw}
+    assert working_state_bytes(L7, zero_stage=1, **ds) == (0.0, bucket + P7 * 4 - P7 * 4 / 8)
+    assert working_state_bytes(L7, zero_stage=2, **ds) == (0.0, bucket)
+    assert working_state_bytes(L7, zero_stage=3, **ds) == (2 * LAYER7 * 2, LAYER7 * 2)
 
 
 def test_fp32_has_no_master_copy_and_offload_leaves_the_device() -> None:
@@ -53,7 +99,7 @@ def test_tp_and_pp_split_the_heaviest_stage() -> None:
     # The last of 2 stages: 16 layers + LM head + final norm.
     stage = 16 * LAYER7 + 32000 * 4096 + 4096
     assert stage_params(L7, 2) == stage
-    assert model_state_bytes(L7, tp=2, pp=2)[0] == stage / 2 * 2
+    assert model_state_bytes(L7, tp=2, pp=2)[0] == stage / 2 * 4
 
 
 def test_korthikanti_gpt3_layer() -> None:
@@ -92,12 +138,17 @@ def test_estimate_adds_gather_buffers_and_margin() -> None:
     dims = ParallelDims(world_size=64, dp_shard=64)
     layout = Layout(dims, zero_stage=3, micro_batch=1, grad_accum=1, activation_checkpointing=True)
     m = estimate_memory(L7, layout, seq_len=4096, margin=0.10)
-    assert m.params == P7 * 2 / 64 + 2 * LAYER7 * 2  # shard + running and prefetched layer
-    assert m.grads == P7 * 2 / 64 + LAYER7 * 2  # shard + one unsharded layer gradient
-    assert m.optimizer == P7 * 12 / 64
+    root = P7 - 32 * LAYER7  # embedding, final norm and head: never resharded after forward
+    assert m.params == P7 * 4 / 64 + (root + 2 * LAYER7) * 2  # + running and prefetched block
+    assert m.grads == P7 * 4 / 64 + LAYER7 * 4  # shard + one unsharded fp32 block gradient
+    assert m.optimizer == P7 * 8 / 64
     used = m.params + m.grads + m.optimizer + m.activations
     assert m.total == pytest.approx(used / 0.9) and m.margin == pytest.approx(0.1 * m.total)
     assert m.as_gb()["total"] == pytest.approx(m.total / 1e9)
+    ds = estimate_memory(L7, layout, seq_len=4096, margin=0.10, engine="deepspeed")
+    assert ds.params == P7 * 2 / 64 + 2 * LAYER7 * 2
+    assert ds.grads == P7 * 6 / 64 + LAYER7 * 2
+    assert ds.activations == m.activations
 
 
 def test_shape_for_params_is_llama_like() -> None:

@@ -154,7 +154,8 @@ def test_nothing_fits_is_one_line_with_the_memory_needed() -> None:
         _plan("llama-405b", 1, gb=64)
     msg = str(err.value)
     assert "\n" not in msg and msg.startswith("nothing fits")
-    assert "GB per accelerator" in msg and "tp=8" in msg
+    # Offload is the last resort, so the leanest layout tried is an offloaded one.
+    assert "GB per accelerator" in msg and "+offload" in msg
 
 
 def test_deterministic() -> None:
@@ -177,8 +178,12 @@ def test_to_json_shape() -> None:
         "total",
     }
     states = record["model_state_gb_per_rank"]
+    # FSDP2 with accumulation: zero1 holds full gradients, zero2 its all-gathered parameters,
+    # zero3 only the root (embedding, head) and two blocks in bf16 plus one block's fp32 grads.
+    assert record["layout"]["grad_accum"] > 1
     assert states["ddp"] > states["zero1"] > states["zero2"] > states["zero3"]
-    assert states["zero3"] == pytest.approx(6.738415616 * 16 / 8, rel=1e-3)
+    unsharded = (2 * 32000 * 4096 + 4096 + 2 * 202_383_360) * 2 + 202_383_360 * 4
+    assert states["zero3"] == pytest.approx((6_738_415_616 * 16 / 8 + unsharded) / 1e9, rel=1e-3)
     assert record["step_time_s"] > 0 and record["reason"]
     assert record["alternatives"] and "alternatives" not in record["alternatives"][0]
 

@@ -1,0 +1,166 @@
+"""Benchmark (issue 6): elastic recovery of the tiny model on a simulated 2-node x 2-accelerator
+cluster, against Ray Train's elastic TorchTrainer under the same workload and node loss.
+
+Ours: one `raytrain-dt train` run whose `chaos:` list kills a rank, then a node, then adds a
+node, then preempts a node with notice. The coordinator times each (re)formation, from its
+cause to the first step trained at the new layout, and writes the breakdown to the
+`first_step` event (detection, re-plan, drain = just-in-time checkpoint, process-group re-form,
+model build, checkpoint load, data start, first step, total; `control/recovery_timing.py`);
+lost steps come from the `resize` event.
+
+Ray Train (`bench/ray_train_elastic.py`): `num_workers=(2, 4)`, the same model, global batch,
+sample order and checkpoint interval; a worker node is removed at the same step, then added
+back. Its recovery is node removal -> first step completed at the smaller size.
+Both run in this one benchmark process, back to back. Writes bench/results/elastic.json.
+Run: python bench/bench_elastic.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 40, 5
+STEP_DELAY_S = 0.1  # both systems: lets each fault play out before the next one
+# (what, chaos action, its step): the incidents of our run, in the order they happen.
+INCIDENTS = [("rank death", {"at_step": 6, "action": "kill_rank", "target": 1}),
+             ("node loss", {"at_step": 14, "action": "kill_node", "target": 3}),
+             ("node arrival", {"at_step": 22, "action": "add_node"}),
+             ("preemption with notice", {"at_step": 30, "action": "preempt_node", "target": 3})]  # fmt: skip
+BREAKDOWN = ("detection_s", "replan_s", "drain_s", "reform_s", "model_build_s",
+             "checkpoint_load_s", "data_start_s", "first_step_s", "total_s")  # fmt: skip
+TARGETS = {"rank death": "total < 5 s", "node arrival": "total < 5 s + one step",
+           "preemption with notice": "0 lost steps"}  # fmt: skip
+
+
+def our_recipe(scratch: Path) -> str:
+    """The elastic recipe, written as YAML (JSON is YAML) so the chaos list needs no dotlist."""
+    recipe = {
+        "run": {"name": "bench_elastic"},
+        "model": {"preset": "tiny"},
+        "data": {"seq_len": SEQ_LEN, "path": common.dataset_path(SEQ_LEN)},
+        "trainer": {"steps": STEPS, "global_batch": GLOBAL_BATCH, "warmup_steps": 2},
+        "cluster": {"local_nodes": 2, "accelerators_per_node": 2, "cpus_per_rank": 0.25},
+        "checkpoint": {"every_steps": CHECKPOINT_EVERY},
+        "elastic": {"min_nodes": 1, "grow_stable_s": 1, "hang_timeout_s": 300},
+        "engine": {"zero_stage": 3},
+        "chaos": [action for _, action in INCIDENTS],
+        "chaos_step_delay_s": STEP_DELAY_S,
+    }
+    path = scratch / "elastic_recipe.yaml"
+    path.write_text(json.dumps(recipe, indent=2))
+    return str(path)
+
+
+def run_ours(scratch: Path) -> list[dict]:
+    run_dir = scratch / "ours"
+    common.run_train(run_dir, [], recipe=our_recipe(scratch), timeout_s=900)
+    events = common.read_jsonl(run_dir / "events.jsonl")
+    metrics = common.read_jsonl(run_dir / "metrics.jsonl")
+    incidents, resize = [], None
+    for event in events:
+        if event["event"] == "resize":
+            resize = event
+        elif event["event"] == "first_step" and resize is not None:
+            old = resize["old_layout"]["dims"]["world_size"] if resize["old_layout"] else None
+            row = {"old_world": old, "new_world": resize["new_layout"]["dims"]["world_size"],
+                   "lost_steps": resize.get("lost_steps", 0), "reason": resize["reason"]}  # fmt: skip
+            row.update({k: event[k] for k in BREAKDOWN if k in event})
+            incidents.append(row)
+            resize = None
+    median_step = statistics.median(m["step_time_s"] for m in metrics)
+    if len(incidents) != len(INCIDENTS):
+        raise RuntimeError(f"expected {len(INCIDENTS)} re-formations, saw {len(incidents)}: "
+                           f"{[i['reason'] for i in incidents]}")  # fmt: skip
+    for (what, _), row in zip(INCIDENTS, incidents):
+        row["incident"] = what
+        row["median_step_s"] = median_step
+    return incidents
+
+
+def run_ray_train(scratch: Path) -> dict:
+    import ray_train_elastic
+
+    overrides = common.workload_overrides("tiny", SEQ_LEN, 10_000, GLOBAL_BATCH)
+    return ray_train_elastic.run(
+        common.RECIPE, overrides, scratch / "ray_train", accelerators_per_node=2,
+        kill_at_step=INCIDENTS[1][1]["at_step"], checkpoint_every=CHECKPOINT_EVERY,
+        step_delay_s=STEP_DELAY_S, recover_timeout_s=180, grow_window_s=30,
+    )  # fmt: skip
+
+
+def _verdict(what: str, row: dict) -> str:
+    if what == "rank death":
+        return "PASS" if row["total_s"] < 5 else "FAIL"
+    if what == "node arrival":
+        return "PASS" if row["total_s"] < 5 + row["median_step_s"] else "FAIL"
+    if what == "preemption with notice":
+        return "PASS" if row["lost_steps"] == 0 else "FAIL"
+    return ""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=1, help="runs of ours (Ray Train: one)")
+    args = parser.parse_args()
+    scratch = common.SCRATCH / "elastic"
+    scratch.mkdir(parents=True, exist_ok=True)
+    ours = [run_ours(scratch) for _ in range(args.repeats)]
+    peer = run_ray_train(scratch)
+    cases, ok = [], True
+    for index, (what, _) in enumerate(INCIDENTS):
+        rows = [run[index] for run in ours]
+        case = {"system": "raytrain-dt", "incident": what,
+                "resize": f"{rows[0]['old_world']} -> {rows[0]['new_world']} ranks"}  # fmt: skip
+        for key in BREAKDOWN:
+            values = [r[key] for r in rows if key in r]
+            if values:
+                case[key] = round(statistics.median(values), 3)
+        case["lost_steps"] = max(r["lost_steps"] for r in rows)
+        if what in TARGETS:
+            case["target"] = TARGETS[what]
+            case["status"] = _verdict(what, {**rows[0], **case})
+            ok &= case["status"] == "PASS"
+        cases.append(case)
+    ours_node_loss = cases[1]["total_s"]
+    cases.append({"system": "ray-train (num_workers=(2, 4))", "incident": "node loss",
+                  "resize": f"4 -> {peer.get('world_size_after', '?')} workers",
+                  "total_s": round(peer["recovery_s"], 3) if peer.get("recovered") else "none",
+                  "lost_steps": peer.get("lost_steps", "?")})  # fmt: skip
+    cases.append({"system": "ray-train (num_workers=(2, 4))", "incident": "node arrival",
+                  "resize": "grew back" if peer["grew_back"] else
+                  f"did not grow back within {peer['grow_window_s']} s",
+                  "total_s": round(peer["grow_s"], 3) if peer["grew_back"] else "none"})  # fmt: skip
+    ratio = peer["recovery_s"] / ours_node_loss if peer.get("recovered") else None
+    cases.append({"system": "ray-train / raytrain-dt", "incident": "node loss recovery",
+                  "total_s": round(ratio, 1) if ratio else "n/a (Ray Train did not recover)"})  # fmt: skip
+    common.write_result(
+        "elastic", "Elastic recovery (issue 6): ours vs Ray Train elastic",
+        "python bench/bench_elastic.py",
+        "rank death -> first step at the new size < 5 s; node arrival -> training at the larger "
+        "size < 5 s + one step; 0 lost steps per preemption with notice", cases,
+        notes=(f"tiny preset, seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}, 2 simulated nodes "
+               f"x 2 accelerators, checkpoint every {CHECKPOINT_EVERY} steps, "
+               f"{STEP_DELAY_S} s delay per step in both systems; ours: {args.repeats} run(s), "
+               "medians; times in seconds from the cause to the first step at the new layout. "
+               "Ray Train: RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10, from node removal to its "
+               f"first step at the smaller size; fit error: {peer.get('fit_error')}; 1-min load "
+               f"average at the end {common.load_average():.1f}"),
+        ray_train=peer,
+    )  # fmt: skip
+    rt = f"{peer['recovery_s']:.1f}s" if peer.get("recovered") else "no recovery"
+    print(f"elastic: rank death {cases[0]['total_s']:.2f}s, node loss {ours_node_loss:.2f}s, node "
+          f"arrival {cases[2]['total_s']:.2f}s, preemption lost steps {cases[3]['lost_steps']}; "
+          f"Ray Train node loss {rt} ({f'{ratio:.1f}x ours' if ratio else 'n/a'}), grew back: "
+          f"{peer['grew_back']}")  # fmt: skip
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

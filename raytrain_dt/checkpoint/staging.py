@@ -1,0 +1,119 @@
+"""Reusable CPU staging buffers for async DCP saves (an `AsyncStager` for `dcp.async_save`).
+
+An async save may only stall training for one copy of this rank's shards into memory that
+training does not touch. DCP's default stagers make that copy costly: the first allocates
+fresh buffers on every save (page faults for the whole state), and for DTensors it
+`deepcopy`s the DTensor first, which clones the local shard once more before copying it again.
+Here the buffers are allocated once (pinned when the shard lives on an accelerator, so the copy
+is a fast DMA) and each later save is a plain `copy_` per shard into them. The staged state
+dict wraps the buffers as DTensors with the source's mesh, placements and global shape, so DCP
+plans and writes them exactly as it would the live state.
+
+With `background=True` the copy itself runs on a staging thread and `stage` returns a future:
+the caller must keep the source tensors unchanged until it resolves (the FSDP2 engine holds its
+optimizer step on it), so the copy overlaps the next step's forward and backward.
+
+Reuse is safe only while no write still reads the buffers: the caller keeps one save in flight
+(`RankCheckpointer.save` waits for the previous one first).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.staging import AsyncStager
+from torch.distributed.tensor import DTensor
+
+
+class ReusableStager(AsyncStager):
+    # stage() returns the copy's future (background) or its result; nothing to wait for after.
+    _synchronize_after_execute = False
+
+    def __init__(self, background: bool = False) -> None:
+        self._staged: Any = None
+        self._signature: Any = None
+        self._executor = (
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging") if background else None
+        )
+
+    def stage(self, state_dict: dict) -> dict | Future:
+        signature = _signature(state_dict)
+        if signature != self._signature:  # first save, or the layout changed
+            self._staged = _allocate(state_dict)
+            self._signature = signature
+        # Plain values (lr, betas, ...) are taken now; tensors are paired with their buffers,
+        # as plain local tensors, so the staging thread runs no DTensor code.
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self._staged = _refresh(state_dict, self._staged, copies)
+        if self._executor is None:
+            return self._copy(copies)
+        return self._executor.submit(self._copy, copies)
+
+    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        with torch.no_grad():
+            for buffer, source in copies:
+                buffer.copy_(source, non_blocking=source.is_cuda)
+        _synchronize_accelerator()
+        return self._staged
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for here: callers wait on the future `stage` returned."""
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=True)
+        self._staged = self._signature = None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _signature(obj: Any) -> Any:
+    """What the buffers depend on: the structure and every shard's shape, dtype, placement."""
+    if isinstance(obj, dict):
+        return tuple((key, _signature(value)) for key, value in obj.items())
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_signature(v) for v in obj))
+    if isinstance(obj, torch.Tensor):
+        local = _local(obj)
+        placement = (obj.placements, obj.shape) if isinstance(obj, DTensor) else None
+        return (local.shape, local.dtype, local.device.type, placement)
+    return type(obj)
+
+
+def _allocate(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {key: _allocate(value) for key, value in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_allocate(v) for v in obj)
+    if not isinstance(obj, torch.Tensor):
+        return obj
+    local = _local(obj)
+    buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+    if not isinstance(obj, DTensor):
+        return buffer
+    return DTensor.from_local(buffer, obj.device_mesh, obj.placements, run_check=False,
+                              shape=obj.shape, stride=obj.stride())  # fmt: skip
+
+
+def _refresh(source: Any, staged: Any, copies: list) -> Any:
+    """`staged` with `source`'s plain values, each tensor's (buffer, source) added to `copies`."""
+    if isinstance(source, dict):
+        for key, value in source.items():
+            staged[key] = _refresh(value, staged[key], copies)
+        return staged
+    if isinstance(source, (list, tuple)):
+        return type(source)(_refresh(v, target, copies) for v, target in zip(source, staged))
+    if isinstance(source, torch.Tensor):
+        copies.append((_local(staged), _local(source).detach()))
+        return staged
+    return source
+
+
+def _synchronize_accelerator() -> None:
+    """Non-blocking device->pinned copies must land before the writer reads the buffers."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()

@@ -1,0 +1,93 @@
+"""The NCCL/Gloo environment of the rank actors: one function per run, overridable from config.
+
+Computed on the driver and handed to the actors through their Ray `runtime_env` (env_vars),
+because NCCL and torch read these variables when a process creates its first communicator,
+so they must be in place before the actor's process group exists. The reason for every
+setting is in docs/communication.md.
+
+Actors outlive layouts (a resize rebuilds only the process group), so the environment is
+decided per run, not per layout: a run that may span nodes gets the multi-node settings even
+while it sits on one node. Hardware facts of a node type (the libfabric/EFA provider) belong
+to the node and are set in cluster.yaml, not here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from raytrain_dt.config.schema import CommConfig, TrainConfig
+from raytrain_dt.errors import ConfigError
+
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# torch's ProcessGroupNCCL: 3 = on a failed or timed-out collective, end the process without
+# calling ncclCommAbort (which can itself hang on a broken network). Ray then reports the
+# actor dead and the coordinator replaces it and resumes from the last checkpoint.
+_KILL_PROCESS_ON_NCCL_ERROR = "3"
+
+
+def spans_nodes(cfg: TrainConfig, cluster_mode: str) -> bool:
+    """May this run's ranks sit on more than one node? (cluster_mode: ClusterHandle.mode)"""
+    if cluster_mode == "embedded":
+        return False
+    return cfg.elastic.max_nodes != 1
+
+
+def run_comm_env(cfg: TrainConfig, cluster_mode: str, run_dir: str | Path) -> dict:
+    """The environment of this run's rank actors; NCCL's flight-recorder dumps go to its logs."""
+    return comm_env(cfg.comm, spans_nodes(cfg, cluster_mode), Path(run_dir) / "logs")
+
+
+def comm_env(comm: CommConfig, multi_node: bool, log_dir: str | Path | None = None) -> dict:
+    """Environment variables for every rank actor of a run (all values are strings)."""
+    env = {
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": _KILL_PROCESS_ON_NCCL_ERROR,
+        "TORCH_NCCL_BLOCKING_WAIT": "1" if comm.blocking_wait else "0",
+        "NCCL_DEBUG": comm.debug,
+    }
+    if comm.trace_buffer and log_dir is not None:
+        env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(comm.trace_buffer)
+        env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
+        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(log_dir) / "nccl_trace_rank_")
+    for name, value in (("NCCL_ALGO", comm.algo), ("NCCL_PROTO", comm.proto),
+                        ("NCCL_BUFFSIZE", comm.buffsize_bytes)):  # fmt: skip
+        if value is not None:
+            env[name] = str(value)
+    env.update(_multi_node_env(comm) if multi_node else _single_node_env(comm))
+    for name, value in comm.env.items():
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"comm.env.{name}: not a valid environment variable name")
+        env[name] = str(value)
+    return env
+
+
+def _single_node_env(comm: CommConfig) -> dict:
+    # Every peer is on this machine: bootstrap and Gloo traffic stay on loopback, so a VPN,
+    # docker bridge or firewalled primary interface can never be picked by mistake.
+    interface = comm.socket_ifname or "lo"
+    return {"NCCL_SOCKET_IFNAME": interface, "GLOO_SOCKET_IFNAME": interface}
+
+
+def _multi_node_env(comm: CommConfig) -> dict:
+    env: dict[str, str] = {}
+    if comm.socket_ifname:
+        env["NCCL_SOCKET_IFNAME"] = comm.socket_ifname
+        env["GLOO_SOCKET_IFNAME"] = comm.socket_ifname
+    if comm.network == "ib":
+        # InfiniBand on, and GPUDirect RDMA whenever NIC and GPU share a PCIe host bridge
+        # (NCCL's own default only allows it below one PCIe switch).
+        env.update(NCCL_IB_DISABLE="0", NCCL_NET_GDR_LEVEL="PHB")
+    elif comm.network == "socket":
+        # TCP only: no probing of absent or broken RDMA devices, and more sockets and threads
+        # per connection, which a single TCP stream needs to fill a 25-100 Gb/s link.
+        env.update(NCCL_IB_DISABLE="1", NCCL_NET="Socket",
+                   NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # fmt: skip
+    return env
+
+
+def with_comm_env(runtime_env: dict | None, env: dict) -> dict:
+    """`runtime_env` with `env` added to its env_vars (env wins over keys already there)."""
+    merged = dict(runtime_env or {})
+    merged["env_vars"] = {**merged.get("env_vars", {}), **env}
+    return merged

@@ -1,0 +1,59 @@
+"""Where the seconds of one (re)formation go, from the event that caused it to the first step
+trained at the new layout: detection, re-plan, just-in-time checkpoint (drain), process-group
+re-form, checkpoint load, data start, first step. The coordinator reports them in the `resize`
+event of `events.jsonl`; `bench/bench_elastic.py` reads them from there.
+
+The clock starts at the cause: the last poll that found every rank healthy (a failure), the
+notice (a preemption), or the moment new nodes appeared (growth, including the
+`elastic.grow_stable_s` hysteresis).
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class RecoveryTimer:
+    def __init__(self) -> None:
+        self.since: float | None = None
+        self.fields: dict[str, float] = {}
+        self._started_training: float | None = None
+
+    def cause(self, at: float) -> None:
+        """The incident began at `at` (perf_counter); the first cause seen wins."""
+        if self.since is None:
+            self.since = at
+
+    def decided(self, started: float, finished: float) -> None:
+        self.cause(started)
+        self.fields["detection_s"] = started - self.since
+        self.fields["replan_s"] = finished - started
+
+    def drained(self, seconds: float) -> None:
+        self.fields["drain_s"] = seconds
+
+    def formed(self, group_s: float, rank_setup: list[dict]) -> dict[str, float]:
+        """`group_s`: teardown, placement and actor creation on the driver; `rank_setup`: each
+        rank's own timings (the slowest rank is what everyone waits for)."""
+
+        def slowest(key: str) -> float:
+            return max((r.get(key, 0.0) for r in rank_setup), default=0.0)
+
+        self.fields.update(
+            reform_s=group_s + slowest("process_group_s"),
+            model_build_s=slowest("model_build_s"),
+            checkpoint_load_s=slowest("checkpoint_load_s"),
+            # The first steps' input is read in-process; Ray Data starts behind them.
+            data_start_s=slowest("data_start_s"),
+        )
+        self._started_training = time.perf_counter()
+        return dict(self.fields)
+
+    def first_step(self) -> dict[str, float]:
+        now = time.perf_counter()
+        out = dict(self.fields)
+        if self._started_training is not None:
+            out["first_step_s"] = now - self._started_training
+        if self.since is not None:
+            out["total_s"] = now - self.since
+        return out

@@ -1,0 +1,275 @@
+"""Your own data: any Ray Dataset, tokenized and packed once into a token dataset on disk.
+
+Sources: parquet, JSONL and text files (a file, a directory or a glob), a Hugging Face
+`datasets` directory written by `save_to_disk`, or a Ray Dataset object (Python API). Ray Data
+reads the source and runs the tokenize map in parallel; the driver then iterates the result
+*in order* (`preserve_order`), appends a separator after each document (built-in tokenizers)
+and cuts the stream into `seq_len` rows, written as the same parquet parts `prepare-data`
+writes. Sample id = row number of that frozen file, so the global order (`data.order`), the
+per-DP-rank slices and the resume position apply unchanged: exactly-once and resizes hold for
+user data because they only ever see a fixed, numbered set of samples (docs/design.md).
+
+The result is cached under `data.cache_dir` in a directory named by a hash: of the source's
+files (paths, sizes, modification times) and the settings, for path sources, so a restarted
+driver or a resubmitted job reuses it without tokenizing again; of the packed tokens themselves
+for Ray Dataset objects, whose origin cannot be named. A directory appears only complete (it is
+written under a temporary name and renamed).
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import logging
+import os
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from raytrain_dt.data.prepare import DOC_SEPARATOR, META_FILE, ROWS_PER_FILE, write_part
+from raytrain_dt.data.source import TokenDataset
+from raytrain_dt.errors import DataError
+
+log = logging.getLogger(__name__)
+
+FORMAT_SUFFIXES = {
+    "parquet": (".parquet",),
+    "json": (".json", ".jsonl", ".json.gz", ".jsonl.gz"),
+    "text": (".txt", ".md", ".py", ".rst"),
+}
+# Bumped whenever packing changes, so old caches are never mistaken for new ones.
+PACKING_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    seq_len: int
+    text_column: str = "text"
+    token_column: str | None = None
+    # "bytes", a local Hugging Face tokenizer directory, or "custom" (a tokenize map given).
+    tokenizer: str = "bytes"
+
+
+class Tokenize:
+    """The tokenize map (Ray Data `map_batches`, pyarrow batches): one `tokens` list per doc."""
+
+    def __init__(self, settings: PackSettings):
+        self.settings = settings
+        self._hf = None
+
+    def __call__(self, batch: pa.Table) -> pa.Table:
+        s = self.settings
+        if s.token_column:
+            ids = batch.column(s.token_column).cast(pa.list_(pa.int32()))
+            return pa.table({"tokens": ids})
+        texts = batch.column(s.text_column).to_pylist()
+        if s.tokenizer == "bytes":
+            docs = [
+                np.frombuffer((t or "").encode(), dtype=np.uint8).astype(np.int32) for t in texts
+            ]
+        else:
+            if self._hf is None:
+                from transformers import AutoTokenizer
+
+                self._hf = AutoTokenizer.from_pretrained(s.tokenizer, local_files_only=True)
+            docs = self._hf(texts, add_special_tokens=False)["input_ids"]
+        return pa.table({"tokens": pa.array([list(d) for d in docs], type=pa.list_(pa.int32()))})
+
+
+def separator_and_vocab(settings: PackSettings) -> tuple[int | None, int | None]:
+    """The id appended after each document, and the vocabulary size (None: not known)."""
+    if settings.tokenizer == "bytes" and not settings.token_column:
+        return DOC_SEPARATOR, 256
+    if settings.tokenizer in ("bytes", "custom"):
+        return None, None  # token ids or a custom map: documents carry their own separators
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(settings.tokenizer, local_files_only=True)
+    return tok.eos_token_id, len(tok)
+
+
+# --- sources -------------------------------------------------------------------------------
+def source_files(source: str, fmt: str) -> tuple[str, list[str]]:
+    """(format, sorted files) of a file, directory or glob; `hf` for a save_to_disk directory."""
+    path = Path(source)
+    if path.is_dir() and (path / "dataset_info.json").is_file() and fmt in ("auto", "hf"):
+        return "hf", sorted(str(p) for p in path.rglob("*") if p.is_file())
+    if fmt == "hf":
+        raise DataError(f"data.source: {source} is not a `datasets` save_to_disk directory")
+    if path.is_dir():
+        files = [
+            str(p) for p in path.rglob("*") if p.is_file() and not p.name.startswith(("_", "."))
+        ]
+    else:
+        files = [f for f in glob.glob(source, recursive=True) if Path(f).is_file()]
+    files = sorted(files)
+    if not files:
+        raise DataError(f"data.source: {source} matches no files")
+    if fmt == "auto":
+        kinds = {k for f in files for k, sfx in FORMAT_SUFFIXES.items() if f.endswith(sfx)}
+        if len(kinds) != 1:
+            raise DataError(
+                f"data.format: cannot tell the format of {source} from its file names "
+                f"({', '.join(sorted(kinds)) or 'no known suffix'}); set data.format"
+            )
+        fmt = kinds.pop()
+    return fmt, files
+
+
+def read_source(source: str, fmt: str):
+    """A Ray Dataset over the source, in file order."""
+    import ray.data
+
+    fmt, files = source_files(source, fmt)
+    if fmt == "hf":
+        import datasets
+
+        return ray.data.from_huggingface(datasets.load_from_disk(source))
+    if fmt == "parquet":
+        return ray.data.read_parquet(files)
+    if fmt == "json":
+        return ray.data.read_json(files)
+    # One document per text file, as `prepare-data` does.
+    raw = ray.data.read_binary_files(files)
+    return raw.map_batches(_decode_text, batch_format="pyarrow")
+
+
+def _decode_text(batch: pa.Table) -> pa.Table:
+    texts = [b.decode("utf-8", errors="replace") for b in batch.column("bytes").to_pylist()]
+    return pa.table({"text": texts})
+
+
+def source_key(source: str, fmt: str, settings: PackSettings) -> str:
+    """A hash of the source's files (path, size, mtime) and the packing settings."""
+    _, files = source_files(source, fmt)
+    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    blob = json.dumps([PACKING_VERSION, asdict(settings), fmt, stats], sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+# --- packing -------------------------------------------------------------------------------
+def check_columns(ds, settings: PackSettings, what: str) -> None:
+    if settings.tokenizer == "custom":
+        return
+    column = settings.token_column or settings.text_column
+    names = list(ds.schema().names)
+    if column not in names:
+        key = "data.token_column" if settings.token_column else "data.text_column"
+        raise DataError(f"{key}: no column {column!r} in {what} (columns: {', '.join(names)})")
+
+
+class Packer:
+    """Concatenates documents and writes full `seq_len` rows, ROWS_PER_FILE to a part file."""
+
+    def __init__(self, out: Path, seq_len: int, separator: int | None):
+        self.out, self.seq_len = out, seq_len
+        self.separator = None if separator is None else np.array([separator], dtype=np.int32)
+        self.pending: list[np.ndarray] = []
+        self.buffered = self.num_rows = self.num_docs = self.max_id = self.parts = 0
+        self.digest = hashlib.sha256()
+
+    def add(self, doc: np.ndarray) -> None:
+        self.pending.append(doc)
+        if self.separator is not None:
+            self.pending.append(self.separator)
+        self.num_docs += 1
+        self.buffered += len(doc) + (0 if self.separator is None else 1)
+        if doc.size:
+            self.max_id = max(self.max_id, int(doc.max()))
+        if self.buffered >= ROWS_PER_FILE * self.seq_len:
+            self._flush(ROWS_PER_FILE * self.seq_len)
+
+    def finish(self) -> None:
+        self._flush(self.seq_len)  # the last part takes every full row; the tail is dropped
+
+    def _flush(self, block: int) -> None:
+        stream = np.concatenate(self.pending) if self.pending else np.zeros(0, dtype=np.int32)
+        usable = len(stream) // block * block
+        rows = stream[:usable].reshape(-1, self.seq_len)
+        for start in range(0, len(rows), ROWS_PER_FILE):
+            chunk = rows[start : start + ROWS_PER_FILE]
+            self.digest.update(chunk.tobytes())
+            write_part(self.out, self.parts, self.num_rows, chunk)
+            self.parts, self.num_rows = self.parts + 1, self.num_rows + len(chunk)
+        self.pending, self.buffered = [stream[usable:]], len(stream) - usable
+
+
+def pack(ds, settings: PackSettings, out: Path, separator: int | None) -> dict:
+    """Iterate `ds` (docs with a `tokens` list column) in order; write seq_len rows to `out`."""
+    ds.context.execution_options.preserve_order = True
+    ds.context.enable_progress_bars = False
+    out.mkdir(parents=True)
+    packer = Packer(out, settings.seq_len, separator)
+    for batch in ds.iter_batches(batch_size=1024, batch_format="pyarrow"):
+        column = batch.column("tokens").combine_chunks()
+        offsets = column.offsets.to_numpy()
+        flat = column.values.to_numpy(zero_copy_only=False).astype(np.int32)
+        for i in range(len(offsets) - 1):
+            packer.add(flat[offsets[i] : offsets[i + 1]])
+    packer.finish()
+    if packer.num_rows == 0:
+        raise DataError(f"data.source: {packer.num_docs} documents hold fewer tokens than one "
+                        f"sequence of data.seq_len={settings.seq_len}")  # fmt: skip
+    return {"num_samples": packer.num_rows, "num_documents": packer.num_docs,
+            "max_token_id": packer.max_id, "content_sha256": packer.digest.hexdigest()}  # fmt: skip
+
+
+def materialize(ds, settings: PackSettings, cache_root: Path, key: str | None,
+                what: str, tokenize: Callable | None = None) -> Path:  # fmt: skip
+    """The packed token dataset of `ds` under cache_root (reused when `key` is cached)."""
+    cache_root.mkdir(parents=True, exist_ok=True)
+    if key is not None and (cache_root / key / META_FILE).is_file():
+        log.info("user dataset %s: reusing the packed samples in %s", what, cache_root / key)
+        return cache_root / key
+    check_columns(ds, settings, what)
+    separator, vocab = separator_and_vocab(settings)
+    mapped = ds.map_batches(tokenize or Tokenize(settings), batch_format="pyarrow")
+    tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
+    try:
+        meta = pack(mapped, settings, tmp, separator)
+        meta.update(seq_len=settings.seq_len, source=what, settings=asdict(settings),
+                    separator=separator, vocab_size=vocab, tokenizer=settings.tokenizer)  # fmt: skip
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
+        final = cache_root / (key or meta["content_sha256"][:16])
+        if (final / META_FILE).is_file():
+            shutil.rmtree(tmp)  # the same content was packed before (or by a racing driver)
+        else:
+            os.rename(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log.info("user dataset %s: %d samples of %d tokens from %d documents in %s",
+             what, meta["num_samples"], settings.seq_len, meta["num_documents"], final)  # fmt: skip
+    return final
+
+
+def open_user_dataset(data_cfg, cache_root: Path, vocab_size: int | None, dataset=None,
+                      tokenize: Callable | None = None) -> TokenDataset:  # fmt: skip
+    """Pack `data.source` (or a Ray Dataset object) and open the result as a TokenDataset."""
+    settings = PackSettings(
+        seq_len=data_cfg.seq_len,
+        text_column=data_cfg.text_column,
+        token_column=data_cfg.token_column,
+        tokenizer="custom" if tokenize is not None else data_cfg.tokenizer,
+    )
+    if dataset is None:
+        source = data_cfg.source
+        key = source_key(source, data_cfg.format, settings) if tokenize is None else None
+        ds = (
+            read_source(source, data_cfg.format)
+            if key is None or not (cache_root / key / META_FILE).is_file()
+            else None
+        )
+        path = materialize(ds, settings, cache_root, key, source, tokenize)
+    else:
+        path = materialize(dataset, settings, cache_root, None, "the given Ray Dataset", tokenize)
+    meta = json.loads((path / META_FILE).read_text())
+    if vocab_size is not None and meta["max_token_id"] >= vocab_size:
+        raise DataError(f"data.tokenizer: token id {meta['max_token_id']} does not fit the "
+                        f"model's vocabulary of {vocab_size}")  # fmt: skip
+    return TokenDataset.open(path, data_cfg.seq_len)

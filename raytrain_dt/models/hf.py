@@ -1,0 +1,145 @@
+"""Hugging Face causal LMs as model specs (`model.hf`); the only module that imports transformers.
+
+`model.hf` names a local directory or a model type:
+- a directory with weights (`*.safetensors` / `pytorch_model*.bin`) and `config.json`: the
+  weights are loaded (fine-tuning; our `ckpt consolidate` output is such a directory);
+- a directory with only `config.json`, or a model type such as `llama`: random init from the
+  config (nothing is downloaded), with `model.hf_config` overriding config fields.
+
+The transformers model is held by `HFCausalLM`, which keeps the Llama family's module tree
+(`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`, so parameter names are the
+Hub's) but turns `layers` into a ModuleDict and runs its own forward over whatever a pipeline
+stage holds. transformers' own forward, device map and distributed init are not used: FSDP,
+TP (`parallel.hf_tensor_parallel`) and PP are ours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.models.spec import ModelParts, ModelSpec
+
+HF_PARTS = ModelParts(
+    blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head")
+)
+WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
+
+
+def has_weights(source: str) -> bool:
+    path = Path(source)
+    return path.is_dir() and any(any(path.glob(g)) for g in WEIGHT_GLOBS)
+
+
+def load_config(source: str, overrides: dict):
+    """The transformers config for a local directory or a model type; never downloads."""
+    from transformers import AutoConfig
+
+    path = Path(source)
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ConfigError(f"model.hf: {source} has no config.json")
+        config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
+    elif "/" in source or source.startswith("."):
+        raise ConfigError(f"model.hf: {source} is not a local directory (nothing is downloaded)")
+    else:
+        try:
+            config = AutoConfig.for_model(source, **overrides)
+        except ValueError as exc:
+            raise ConfigError(f"model.hf: {source!r} is not a known model type ({exc})") from exc
+    # Our forward passes no mask: SDPA's causal path, the same kernel our own decoder uses.
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def shape_of(config) -> ModelShape:
+    """The planner's facts about a Llama-family config."""
+    n_heads = config.num_attention_heads
+    rope = getattr(config, "rope_parameters", None) or {}
+    return ModelShape(
+        dim=config.hidden_size,
+        n_layers=config.num_hidden_layers,
+        n_heads=n_heads,
+        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
+        vocab_size=config.vocab_size,
+        ffn_hidden=config.intermediate_size,
+        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+        norm_eps=getattr(config, "rms_norm_eps", 1e-6),
+        rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
+    )
+
+
+class HFCausalLM(nn.Module):
+    """Token ids (batch, seq) -> logits, over the parts of a transformers causal LM it holds."""
+
+    def __init__(self, causal_lm: nn.Module):
+        super().__init__()
+        base = getattr(causal_lm, "model", None)
+        missing = [
+            name
+            for name in ("embed_tokens", "layers", "norm", "rotary_emb")
+            if getattr(base, name, None) is None
+        ]
+        if missing or getattr(causal_lm, "lm_head", None) is None:
+            raise ConfigError(
+                f"model.hf: {type(causal_lm).__name__} is not a Llama-family causal LM "
+                f"(missing {', '.join(missing) or 'lm_head'})"
+            )
+        # ModuleDict keyed by index: the same parameter names as the ModuleList, and stages
+        # can drop layers without renumbering the rest.
+        base.layers = nn.ModuleDict({str(i): layer for i, layer in enumerate(base.layers)})
+        self.config = causal_lm.config
+        self.model = base
+        self.lm_head = causal_lm.lm_head
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        # A pipeline stage holds None for what it does not own (see `ModelParts`).
+        base = self.model
+        h = tokens if base.embed_tokens is None else base.embed_tokens(tokens)
+        positions = torch.arange(h.shape[1], device=h.device)[None]
+        rope = base.rotary_emb(h, positions)
+        for layer in base.layers.values():
+            out = layer(h, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            h = out[0] if isinstance(out, tuple) else out
+        if base.norm is not None:
+            h = base.norm(h)
+        return h if self.lm_head is None else self.lm_head(h)
+
+
+def build_hf(options: tuple[str, dict, bool], max_seq_len: int) -> HFCausalLM:
+    """Factory of `hf_spec`: random init from the config, or the directory's weights."""
+    from transformers import AutoModelForCausalLM
+
+    source, overrides, load_weights = options
+    config = load_config(source, overrides)
+    if load_weights:
+        model = AutoModelForCausalLM.from_pretrained(
+            source, config=config, dtype=torch.float32, local_files_only=True
+        )
+    else:
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return HFCausalLM(model)
+
+
+def hf_spec(source: str, overrides: dict | None = None, init: str = "auto") -> ModelSpec:
+    """A spec for `model.hf`. init: auto (weights when the directory has them), random, weights."""
+    overrides = overrides or {}
+    config = load_config(source, overrides)
+    if init not in ("auto", "random", "weights"):
+        raise ConfigError(f"model.hf_init: {init!r} is not one of auto, random, weights")
+    load_weights = init == "weights" or (init == "auto" and has_weights(source))
+    if load_weights and not has_weights(source):
+        raise ConfigError(f"model.hf: {source} holds no weights (model.hf_init=weights)")
+    return ModelSpec(
+        name=f"hf:{config.model_type}",
+        shape=shape_of(config),
+        factory=build_hf,
+        options=(source, overrides, load_weights),
+        parts=HF_PARTS,
+        tensor_parallel="raytrain_dt.parallel.hf_tensor_parallel:apply_hf_tensor_parallel",
+        vocab_size=config.vocab_size,
+    )

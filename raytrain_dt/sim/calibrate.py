@@ -1,0 +1,94 @@
+"""Feed the simulator a real run's own costs, read from its `metrics.jsonl` and `events.jsonl`.
+
+What is calibrated, and from where (the coordinator writes a breakdown of every formation into
+its `start`/`resize` event, `control/recovery_timing.py`):
+- step time per world size: the mean gap between consecutive steps of one formation, counting
+  the steps a restart re-trained too (the mean, not the median: the simulated timeline is a
+  sum of steps, hiccups included);
+- periodic checkpoints: the median `stall_s` of the `checkpoint` events; the JIT save: from the
+  drained step's metrics line to its `drained` event;
+- detection, re-plan, re-form (+ model build, data start) and checkpoint load: the first restart
+  after a failure (actors reused); the first step's extra time: that restart's `first_step`;
+- actor start: how much longer the first growth (new actors on a new node) took to form;
+- node arrival lag: from the step a node was added at to the moment the coordinator saw it (the
+  growth decision's time minus its `detection_s`, which counts from the node's appearance).
+Everything else (which steps run when, what is lost, when the policy decides what) is the
+simulator's own.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import replace
+from itertools import pairwise
+from pathlib import Path
+
+from raytrain_dt.observe.metrics import read_jsonl
+from raytrain_dt.sim.costs import Costs
+
+
+def _step_times(metrics: list[dict], events: list[dict]) -> dict[int, float]:
+    """Seconds per step by world size: kept steps from `metrics.jsonl`, plus the steps a
+    restart dropped from it (its `rewind` event), which ran at the layout before it."""
+    seconds: dict[int, float] = {}
+    steps: dict[int, int] = {}
+    for before, after in pairwise(metrics):
+        if after["step"] == before["step"] + 1 and after["world_size"] == before["world_size"]:
+            world = after["world_size"]
+            seconds[world] = seconds.get(world, 0.0) + after["time"] - before["time"]
+            steps[world] = steps.get(world, 0) + 1
+    world = None
+    for e in events:
+        if e["event"] in ("start", "resize"):
+            world = e["new_layout"]["dims"]["world_size"]
+        elif e["event"] == "rewind" and world is not None and e.get("dropped_steps"):
+            seconds[world] = seconds.get(world, 0.0) + e["dropped_step_time_s"]
+            steps[world] = steps.get(world, 0) + len(e["dropped_steps"])
+    return {w: seconds[w] / steps[w] for w in steps}
+
+
+def _formation_s(event: dict) -> float:
+    keys = ("reform_s", "model_build_s", "data_start_s", "checkpoint_load_s")
+    return sum(event.get(k, 0.0) for k in keys)
+
+
+def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
+    """Costs measured in the run at `run_dir`; `add_step`: the step of a chaos add_node."""
+    run = Path(run_dir)
+    metrics, events = read_jsonl(run / "metrics.jsonl"), read_jsonl(run / "events.jsonl")
+    step_s = _step_times(metrics, events)
+    time_of_step = {m["step"]: m["time"] for m in metrics}
+    resizes = [e for e in events if e["event"] == "resize"]
+    restart = next(e for e in resizes if "drain_s" not in e)  # a failure: no drain before it
+    grown = [e for e in resizes if "drain_s" in e]
+    first = [e for e in events if e["event"] == "first_step" and e["time"] > restart["time"]]
+    world = restart["new_layout"]["dims"]["world_size"]
+    stalls = [e["stall_s"] for e in events if e["event"] == "checkpoint" and "stall_s" in e]
+    costs = Costs(
+        detection_s=restart.get("detection_s", 0.0),
+        replan_s=restart.get("replan_s", 0.0),
+        reform_s=_formation_s(restart) - restart.get("checkpoint_load_s", 0.0),
+        ckpt_load_s=restart.get("checkpoint_load_s", 0.0),
+        actor_start_s=max(0.0, _formation_s(grown[0]) - _formation_s(restart)) if grown else 0.0,
+        first_step_extra_s=max(0.0, first[0]["first_step_s"] - step_s[world]) if first else 0.0,
+        ckpt_stall_s=statistics.median(stalls) if stalls else 0.0,
+        step_s_by_world=step_s,
+    )
+    drained = [e for e in events if e["event"] == "drained" and e["step"] in time_of_step]
+    if drained:
+        costs = replace(costs, ckpt_save_s=drained[0]["time"] - time_of_step[drained[0]["step"]])
+    decisions = [e for e in events if e["event"] == "decision" and "capacity grew" in e["reason"]]
+    if add_step in time_of_step and decisions and grown:
+        seen = decisions[0]["time"] - grown[0]["detection_s"]
+        costs = replace(costs, arrival_lag_s=max(0.0, seen - time_of_step[add_step]))
+    return costs
+
+
+def measured_timeline(run_dir: str | Path) -> dict:
+    """Seconds from the first trained step to each later formation and to the end of the run."""
+    run = Path(run_dir)
+    events = read_jsonl(run / "events.jsonl")
+    origin = next(e["time"] for e in events if e["event"] == "first_step")
+    formed = [e["time"] - origin for e in events if e["event"] == "resize"]
+    done = [e["time"] for e in events if e["event"] == "transition" and e["new"] == "finished"]
+    return {"formed": formed, "end": done[-1] - origin}

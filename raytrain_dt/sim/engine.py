@@ -1,0 +1,262 @@
+"""The simulated coordinator executing one policy's decisions (`GroupModel`); the event loop that
+drives it over a trace is `sim/loop.py` (`Simulation`).
+
+The flow mirrors `control/coordinator.py` state by state: a failure (a used node DOWN without a
+drain) is seen after `detection_s`, the policy is asked with health "failed" and no layout, and
+the group re-forms from the newest committed checkpoint; a notice makes the policy return a
+`Resize(checkpoint_first)`, the group saves at the next step boundary (a JIT checkpoint), the
+noticed nodes are excluded (the coordinator's `lost_nodes`), and the policy is asked again with
+no layout; new capacity is offered to the policy once stable for `elastic.grow_stable_s`.
+Decisions come only from the strategy's `decide` (for `ours`: the real `ElasticPolicy`).
+Between events training advances in closed form (`Segment`), so cost grows with events, not steps.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass, field
+
+from raytrain_dt.control.policies import Fail, Observation, Resize, Wait
+from raytrain_dt.sim.costs import Costs
+from raytrain_dt.sim.planner import SimPlanner
+from raytrain_dt.sim.policies import Strategy
+from raytrain_dt.sim.segment import Segment
+from raytrain_dt.sim.trace import StepTrace, Trace
+
+
+@dataclass
+class SimResult:
+    policy: str
+    ckpt_every: int
+    wall_s: float
+    steps: int
+    samples: int
+    steps_lost: int = 0
+    lost_compute_s: float = 0.0
+    down_s: float = 0.0  # no training (detection, waiting, draining, forming)
+    degraded_s: float = 0.0  # training slower than the best layout
+    gpu_hours_held: float = 0.0  # every alive node, used or not (what a spot bill counts)
+    failures: int = 0
+    drains: int = 0
+    formations: list[dict] = field(default_factory=list)
+    timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, samples, gpus)
+    failed: str | None = None
+
+
+@dataclass
+class GroupModel:
+    """The run's state (nodes, group, progress, checkpoints) and the execution of decisions."""
+
+    strategy: Strategy
+    trace: Trace | StepTrace
+    planner: SimPlanner
+    costs: Costs
+    gpus_per_node: int
+    ckpt_every: int
+    best_samples_per_s: float
+    grow_stable_s: float
+    wait_timeout_s: float
+    total_steps: int | None = None  # stop when reached (the validation run); None: run the trace
+
+    def __post_init__(self) -> None:
+        is_steps = isinstance(self.trace, StepTrace)
+        self.duration = math.inf if is_steps else self.trace.duration_s
+        self.t, self.phase, self.gen = 0.0, "idle", 0
+        self.alive = set(range(self.trace.nodes))
+        self.draining: set[int] = set()
+        self.lost: set[int] = set()  # drained nodes, excluded until they are gone
+        self.actor_nodes: set[str] = set()
+        self.layout, self.layout_nodes, self.layout_ints = None, (), frozenset()
+        self.seg: Segment | None = None
+        self.step = self.samples = 0
+        self.ckpt = (0, 0)  # (step, samples) of the newest committed checkpoint
+        self.restarts = self.failures_at_step = 0
+        self.failed_step = -1
+        self.nodes_since, self.waiting_since = 0.0, None
+        self.timers: list = []
+        self.seq = 0
+        self.pending = list(enumerate(self.trace.actions)) if is_steps else []
+        self.preempting: dict[int, int] = {}
+        self.next_node = self.trace.nodes
+        self._usable_cache = None
+        self._infos: dict = {}
+        self._check_due = math.inf
+        self._last_step_s = 0.0
+        self.run_s = self.held_node_s = 0.0
+        self.result = SimResult(self.strategy.name, self.ckpt_every, 0.0, 0, 0)
+
+    # --- bookkeeping -------------------------------------------------------------------------
+    def _timer(self, delay: float, kind: str, payload=None) -> None:
+        self.seq += 1
+        heapq.heappush(self.timers, (self.t + delay, self.seq, kind, self.gen, payload))
+
+    def _info(self, node: int):
+        if node not in self._infos:
+            self._infos[node] = self.planner.node(f"n{node:05d}", self.gpus_per_node)
+        return self._infos[node]
+
+    def _usable(self) -> tuple:
+        if self._usable_cache is None:
+            self._usable_cache = tuple(self._info(i) for i in sorted(self.alive - self.lost))
+        return self._usable_cache
+
+    def _nodes_changed(self) -> None:
+        self._usable_cache = None
+        self.nodes_since = self.t
+        # Growth is offered once the node set has been stable (only the newest check counts).
+        self._check_due = self.t + self.grow_stable_s
+        self._timer(self.grow_stable_s, "check", self._check_due)
+
+    def _observe(self, health: str, with_layout: bool = True) -> Observation:
+        return Observation(
+            now=self.t, nodes=self._usable(), draining=frozenset(f"n{i:05d}" for i in self.draining),
+            layout=self.layout if with_layout else None, layout_nodes=self.layout_nodes,
+            health=health, step=self._progress()[0], restarts=self.restarts,
+            failures_at_step=self.failures_at_step, waiting_since=self.waiting_since,
+            nodes_stable_since=self.nodes_since,
+        )  # fmt: skip
+
+    def _progress(self) -> tuple[int, int]:
+        if self.seg is None:
+            return self.step, self.samples
+        s = self.seg.steps_at(self.t)
+        return s, self.seg.samples_at(s)
+
+    def _close_segment(self, until: float, in_flight_lost: bool = True) -> None:
+        """Training stops at `until`: progress and committed checkpoints up to then are kept;
+        the step in flight is lost (not at the end of the trace, nor at a step boundary)."""
+        seg, self.seg = self.seg, None
+        if seg is None:
+            return
+        until = max(until, seg.t0)
+        self.step = seg.steps_at(until)
+        self.samples = seg.samples_at(self.step)
+        committed = seg.committed_at(until)
+        if committed is not None and committed > self.ckpt[0]:
+            self.ckpt = (committed, seg.samples_at(committed))
+        ran = until - seg.t0
+        self.run_s += ran
+        if seg.samples_per_step / seg.step_s < self.best_samples_per_s * (1 - 1e-9):
+            self.result.degraded_s += ran
+        if in_flight_lost:
+            self.result.lost_compute_s += until - min(until, seg.time_of(self.step))
+        self.result.timeline.append((until, self.samples, 0))
+
+    # --- decisions, as the coordinator executes them -----------------------------------------
+    def _decide(self, health: str = "ok") -> None:
+        decision = self.strategy.decide(self._observe(health))
+        if isinstance(decision, Fail):
+            self._close_segment(self.t)
+            self.phase, self.result.failed = "failed", decision.reason
+        elif isinstance(decision, Wait):
+            if self.phase != "idle" or self.waiting_since is None:
+                self.phase, self.waiting_since = "idle", self.t
+            due = self.waiting_since + self.wait_timeout_s
+            if due < math.inf:
+                self._timer(max(0.0, due - self.t), "check", due)
+        elif isinstance(decision, Resize):
+            self.waiting_since = None
+            if decision.checkpoint_first and self.phase == "running":
+                self._drain(decision)
+            elif self.strategy.live_resize and self.phase in ("running", "detected"):
+                self._live_resize(decision)
+            else:
+                self._form(decision)
+
+    def _drain(self, decision: Resize) -> None:
+        """Save at the next step boundary, commit, then ask the policy again without a layout."""
+        self.result.drains += 1
+        boundary = self.seg.steps_at(self.t) + 1
+        self.seg.stop_step = boundary
+        done = self.seg.time_of(boundary) + self.planner.save_s(self.costs, len(self.layout_nodes))
+        self.phase, self.gen = "draining", self.gen + 1
+        self._timer(done - self.t, "drained", (decision, boundary))
+
+    def _drained(self, decision: Resize, boundary: int) -> None:
+        self._close_segment(self.seg.time_of(boundary))
+        self.ckpt = (self.step, self.samples)
+        for node in list(self.preempting):  # a chaos preemption reclaims the node now
+            self._down(node, drained=True)
+        self.preempting.clear()
+        self.lost |= self.draining
+        self.draining.clear()
+        self._nodes_changed()
+        self.phase = "idle"
+        fresh = self.strategy.decide(self._observe("ok", with_layout=False))
+        if isinstance(fresh, Resize):
+            self._form(Resize(fresh.layout, fresh.nodes, decision.reason))
+        else:
+            self._decide("ok")
+
+    def _form(self, decision: Resize) -> None:
+        """(Re)form the group from the newest committed checkpoint."""
+        self._close_segment(self.t)
+        self._roll_back()
+        c = self.costs
+        new_nodes = set(decision.nodes) - self.actor_nodes
+        cost = c.replan_s + c.reform_s + self.planner.load_s(c, len(decision.nodes))
+        if self.strategy.cold_restart or new_nodes:
+            cost += c.actor_start_s
+        self.phase, self.gen = "forming", self.gen + 1
+        self.forming = decision
+        self._timer(cost, "formed", decision)
+
+    def _roll_back(self) -> None:
+        """Back to the newest committed checkpoint; the steps after it are lost."""
+        self.result.steps_lost += self.step - self.ckpt[0]
+        self.result.lost_compute_s += (self.step - self.ckpt[0]) * self._last_step_s
+        self.step, self.samples = self.ckpt
+
+    def _formed(self, decision: Resize) -> None:
+        kind = "start" if not self.result.formations else "resize"
+        self.layout, self.layout_nodes = decision.layout, decision.nodes
+        self.layout_ints = frozenset(int(n[1:]) for n in decision.nodes)
+        self.actor_nodes = set(decision.nodes)
+        # As the coordinator does: chaos actions at or before the resumed step have fired.
+        self.pending = [(i, a) for i, a in self.pending if a.at_step > self.step]
+        self._start_segment(self.t + self.costs.first_step_extra_s, kind, decision.reason)
+        self._decide("ok")  # what changed while forming (a notice, new nodes) is seen now
+
+    def _start_segment(self, t0: float, kind: str, reason: str) -> None:
+        lay = self.layout
+        step_s = self.planner.step_s(lay, self.costs, self.gpus_per_node)
+        self._last_step_s = step_s
+        self.seg = Segment(t0, self.step, step_s, self.samples, self.strategy.samples_per_step(lay),
+                           lay.dims.world_size, self.ckpt_every,
+                           self.planner.stall_s(self.costs, lay.dims.world_size),
+                           self.planner.save_s(self.costs, len(self.layout_nodes)))  # fmt: skip
+        self.phase, self.gen = "running", self.gen + 1
+        self.result.formations.append({"t": self.t, "step": self.step, "kind": kind,
+                                       "world": lay.dims.world_size, "nodes": len(self.layout_nodes),
+                                       "layout": lay.as_dict(), "describe": lay.describe(),
+                                       "step_s": step_s, "reason": reason})  # fmt: skip
+        self.result.timeline.append((t0, self.samples, lay.dims.world_size))
+
+    def _live_resize(self, decision: Resize, joined: bool = False) -> None:
+        """DP-only: survivors keep their state; joining replicas first copy it from a peer
+        (beside training while it runs; the survivors wait for it after a failure)."""
+        joining = bool(set(decision.nodes) - self.actor_nodes) and not joined
+        if self.phase == "running" and joining:
+            self._timer(self.costs.dp_join_s, "joined", decision)
+            return
+        self._close_segment(self.t, in_flight_lost=False)  # quorums change at step boundaries
+        delay = self.costs.dp_reconfigure_s + (self.costs.dp_join_s if joining else 0.0)
+        self.layout, self.layout_nodes = decision.layout, decision.nodes
+        self.layout_ints = frozenset(int(n[1:]) for n in decision.nodes)
+        self.actor_nodes = set(decision.nodes)
+        self.ckpt = (self.step, self.samples)  # nothing to roll back to: state lives on
+        self._start_segment(self.t + delay, "resize", decision.reason)
+
+    def _fail(self) -> None:
+        self.result.failures += 1
+        self._close_segment(self.t)
+        self.failures_at_step = self.failures_at_step + 1 if self.failed_step == self.step else 1
+        self.failed_step = self.step
+        self.restarts += 1
+        if not self.strategy.live_resize:  # what was not checkpointed died with the group
+            self._roll_back()
+        self.actor_nodes &= {f"n{i:05d}" for i in self.alive}
+        self.layout, self.layout_nodes, self.layout_ints = None, (), frozenset()
+        self.phase, self.gen = "detecting", self.gen + 1
+        self._timer(self.costs.detection_s, "detected")

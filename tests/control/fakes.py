@@ -1,0 +1,155 @@
+"""A scripted cluster and rank group for driving the coordinator without Ray or torch.
+
+The fake ranks train one step per poll, save on schedule and on request (writing a file so the
+real checkpoint store can commit it), and can be told to die, hang or receive a notice. A dead
+node's ranks report what Ray reports (the actor died with its node) and their peers fail, as
+gloo peers do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from raytrain_dt.control.cluster import NodeInfo
+from raytrain_dt.control.recovery import NODE_DIED
+
+ACCELERATORS_PER_NODE = 2
+
+
+@dataclass
+class FakeCluster:
+    node_ids: list[str]
+    drained: set[str] = field(default_factory=set)
+    requests: list[list[dict]] = field(default_factory=list)
+
+    def nodes(self) -> list[NodeInfo]:
+        return [NodeInfo(n, ACCELERATORS_PER_NODE) for n in sorted(self.node_ids)]
+
+    def draining(self) -> set[str]:
+        return set(self.drained)
+
+    def request_capacity(self, bundles: list[dict]) -> None:
+        self.requests.append(bundles)
+
+
+@dataclass
+class FakeSlot:
+    node_id: str
+    pid: int = 0
+    state: str = "running"
+    error: str | None = None
+    notice: dict | None = None
+
+
+class FakeRankGroup:
+    def __init__(self, checkpoint_root: str):
+        self.checkpoint_root = Path(checkpoint_root)
+        self.slots: list[FakeSlot] = []
+        self.formations: list[dict[str, int]] = []
+        self.dropped = 0
+        self.hung = False
+        self._stop_requested = False
+
+    @property
+    def world_size(self) -> int:
+        return len(self.slots)
+
+    # --- what the coordinator calls ----------------------------------------------------------
+    def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
+        kept = [s for s in self.slots if s.state != "dead"]
+        self.slots = []
+        for node, count in sorted(counts_by_node.items()):
+            here = [s for s in kept if s.node_id == node][:count]
+            self.slots += here + [FakeSlot(node) for _ in range(count - len(here))]
+        for slot in self.slots:
+            slot.state, slot.error = "running", None
+        self.formations.append(dict(counts_by_node))
+
+    def master_endpoint(self) -> tuple[str, int]:
+        return "127.0.0.1", 1
+
+    def call(self, method: str, per_rank_args=None, timeout_s=None):
+        if method == "setup":
+            spec = per_rank_args[0][0]
+            self.step, self.end, self.every = (
+                spec.start_step,
+                spec.end_step,
+                spec.cfg.checkpoint.every_steps,
+            )
+            self.consumed = spec.data.consumed_samples
+            self.global_batch = spec.layout.global_batch
+            self.hung, self._stop_requested = False, False
+            return [{"process_group_s": 0.01, "model_build_s": 0.02, "checkpoint_load_s": 0.03,
+                     "data_start_s": 0.04} for _ in self.slots]  # fmt: skip
+        return [None for _ in self.slots]
+
+    def try_call(self, method: str, timeout_s: float = 30.0) -> list[int]:
+        if method == "request_checkpoint_and_stop":
+            self._stop_requested = True
+        return []
+
+    def drop(self, ranks: list[int]) -> None:
+        self.dropped += len(ranks)
+        self.slots = [s for r, s in enumerate(self.slots) if r not in ranks]
+
+    def shutdown(self) -> None:
+        self.slots = []
+
+    def poll(self) -> list[dict]:
+        running = all(s.state == "running" for s in self.slots)
+        reports = [[] for _ in self.slots]
+        if running and not self.hung and self.step < self.end:
+            self.step += 1
+            self.consumed += self.global_batch
+            for rank in range(self.world_size):
+                reports[rank].append(self._step_report(rank))
+            if (self.every and self.step % self.every == 0) or self._stop_requested:
+                self._save(reports)
+            if self._stop_requested:
+                for slot in self.slots:
+                    slot.state = "done"
+        if self.step == self.end and running:
+            for slot in self.slots:
+                slot.state = "done"
+        return [{"rank": r, "state": s.state, "reports": reports[r], "error": s.error,
+                 "notice": s.notice, "node_id": s.node_id} for r, s in enumerate(self.slots)]  # fmt: skip
+
+    # --- what a test scripts -----------------------------------------------------------------
+    def kill_node(self, node: str) -> None:
+        for slot in self.slots:
+            if slot.node_id == node:
+                slot.state, slot.error = "dead", f"ActorDiedError: The actor died {NODE_DIED}."
+            else:
+                slot.state, slot.error = "failed", "RuntimeError: Connection closed by peer"
+
+    def kill_rank(self, rank: int) -> None:
+        for r, slot in enumerate(self.slots):
+            if r == rank:
+                slot.state = "dead"
+                slot.error = (
+                    "ActorDiedError: The actor is dead because its worker process has died."
+                )
+            else:
+                slot.state, slot.error = "failed", "RuntimeError: Connection closed by peer"
+
+    def notice(self, rank: int, source: str = "sigterm") -> None:
+        self.slots[rank].notice = {"source": source, "detail": "scripted", "time": 0.0}
+
+    # --- internals ---------------------------------------------------------------------------
+    def _step_report(self, rank: int) -> dict:
+        report = {"kind": "step", "step": self.step, "consumed_samples": self.consumed,
+                  "mem_allocated_bytes": 1, "mem_peak_bytes": 1}  # fmt: skip
+        if rank == 0:
+            report.update(loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=100.0, step_time_s=0.01,
+                          data_wait_s=0.0)  # fmt: skip
+        return report
+
+    def _save(self, reports: list[list[dict]]) -> None:
+        step_dir = self.checkpoint_root / f"step_{self.step}"
+        step_dir.mkdir(parents=True, exist_ok=True)
+        reports[0].append({"kind": "train_state", "step": self.step, "train_state": {
+            "step": self.step, "consumed_samples": self.consumed}})  # fmt: skip
+        for rank in range(self.world_size):
+            (step_dir / f"shard_{rank}.bin").write_bytes(b"x")
+            reports[rank].append({"kind": "saved", "step": self.step, "rank": rank})

@@ -1,0 +1,208 @@
+"""The coordinator one iteration at a time, on a scripted cluster and fake ranks (no Ray, no
+torch.distributed): which state each event leads to, and what the next formation looks like.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from fakes import FakeCluster, FakeRankGroup
+
+from raytrain_dt.config import load_config
+from raytrain_dt.config.schema import ElasticConfig
+from raytrain_dt.control.cluster import NodeInfo
+from raytrain_dt.control.coordinator import Coordinator
+from raytrain_dt.control.policies import capacity_request
+from raytrain_dt.control.recovery import lost_with_node
+from raytrain_dt.control.states import (
+    Draining,
+    Failed,
+    Finished,
+    Resizing,
+    Restarting,
+    Running,
+)
+from raytrain_dt.observe.metrics import read_jsonl
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def start(tmp_path):
+    """A coordinator begun on `nodes` of a fake cluster, with extra config overrides."""
+
+    def make(nodes=("a", "b"), *overrides: str):
+        cfg = load_config(REPO / "conf" / "test.yaml", [
+            f"run.dir={tmp_path / 'run'}", "cluster.num_ranks=null", "trainer.steps=12",
+            "checkpoint.every_steps=4", "elastic.spot_notice_url=null", *overrides,
+        ])  # fmt: skip
+        coordinator = Coordinator(cfg, show_progress=False)
+        coordinator.run_dir.mkdir(parents=True)
+        coordinator.dataset = None  # only handed through to the (fake) ranks
+        cluster, group = FakeCluster(list(nodes)), FakeRankGroup(coordinator.checkpoint_root)
+        coordinator.begin("accelerator", cluster, group)
+        return coordinator, cluster, group
+
+    return make
+
+
+def advance_until(coordinator: Coordinator, state_type, max_iterations: int = 200):
+    for _ in range(max_iterations):
+        if isinstance(coordinator.advance(), state_type):
+            return coordinator.state
+    raise AssertionError(f"still {coordinator.state} after {max_iterations} iterations")
+
+
+def train_to(coordinator: Coordinator, step: int) -> None:
+    for _ in range(200):
+        if coordinator.step >= step:
+            return
+        assert isinstance(coordinator.advance(), Running), coordinator.state
+    raise AssertionError(f"stuck at step {coordinator.step}")
+
+
+def events(coordinator: Coordinator, kind: str) -> list[dict]:
+    coordinator.recorder.events._file.flush()
+    return [e for e in read_jsonl(coordinator.run_dir / "events.jsonl") if e["event"] == kind]
+
+
+def test_start_forms_the_planned_layout_and_trains_to_the_end(start):
+    coordinator, _, group = start()
+    assert isinstance(coordinator.advance(), Resizing)  # the policy planned a layout
+    assert isinstance(coordinator.advance(), Running)  # the group formed it
+    assert group.formations == [{"a": 2, "b": 2}]
+    assert isinstance(advance_until(coordinator, Finished), Finished)
+    assert coordinator.state.step == 12
+    assert [c.step for c in coordinator.store.committed()][-1] == 12
+
+
+def test_lost_node_restarts_smaller_from_the_latest_checkpoint(start):
+    coordinator, cluster, group = start()
+    advance_until(coordinator, Running)
+    train_to(coordinator, 6)
+    cluster.node_ids.remove("b")
+    group.kill_node("b")
+    state = coordinator.advance()
+    assert isinstance(state, Restarting) and state.decision.nodes == ("a",)
+    assert coordinator.lost_nodes == set()  # Ray already lists it gone
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 2} and coordinator.step == 4
+    (resize,) = events(coordinator, "resize")
+    assert resize["resumed_step"] == 4 and resize["lost_steps"] == 2
+    assert resize["new_layout"]["dims"]["world_size"] == 2
+    assert {"detection_s", "replan_s", "reform_s", "checkpoint_load_s"} <= set(resize)
+    train_to(coordinator, 5)
+    (first,) = [e for e in events(coordinator, "first_step") if e["step"] == 5]
+    assert first["total_s"] >= first["first_step_s"] > 0
+
+
+def test_node_lost_before_ray_notices_is_left_out_of_the_plan(start):
+    coordinator, _, group = start()
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    group.kill_node("b")  # Ray's health check has not caught up: the cluster still lists b
+    state = coordinator.advance()
+    assert isinstance(state, Restarting) and state.decision.nodes == ("a",)
+    assert coordinator.lost_nodes == {"b"}
+
+
+def test_a_dead_rank_does_not_take_its_node_out(start):
+    coordinator, _, group = start()
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    group.kill_rank(1)
+    state = coordinator.advance()
+    assert isinstance(state, Restarting) and state.decision.nodes == ("a", "b")
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 2, "b": 2} and coordinator.step == 4
+
+
+@pytest.mark.parametrize("source", ["sigterm", "spot", "ray-drain"])
+def test_a_notice_checkpoints_at_the_next_boundary_then_shrinks(start, source):
+    coordinator, cluster, group = start()
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    if source == "ray-drain":
+        cluster.drained.add("b")
+    else:
+        group.notice(3, source)
+    advance_until(coordinator, Draining, max_iterations=20)
+    (notice,) = events(coordinator, "preemption_notice")
+    assert notice["node"] == "b" and notice["source"] == source
+    assert isinstance(coordinator.advance(), Resizing)
+    drained_at = coordinator.step
+    assert coordinator.store.committed()[-1].step == drained_at  # just in time
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 2}
+    (resize,) = events(coordinator, "resize")
+    assert resize["resumed_step"] == drained_at and resize["lost_steps"] == 0
+    assert resize["drain_s"] >= 0
+    assert isinstance(advance_until(coordinator, Finished), Finished)
+
+
+def test_new_capacity_is_used_once_stable(start):
+    coordinator, cluster, group = start(("a",), "elastic.grow_stable_s=0.3")
+    advance_until(coordinator, Running)
+    train_to(coordinator, 2)
+    cluster.node_ids.append("b")
+    state = advance_until(coordinator, Draining, max_iterations=30)
+    assert state.decision.layout.dims.world_size == 4
+    assert isinstance(coordinator.advance(), Resizing)
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations == [{"a": 2}, {"a": 2, "b": 2}]
+    (resize,) = events(coordinator, "resize")
+    # The clock starts when the node appeared, so it includes the hysteresis.
+    assert resize["lost_steps"] == 0 and resize["detection_s"] >= 0.3
+
+
+def test_a_hang_replaces_the_whole_group(start):
+    coordinator, _, group = start(("a", "b"), "elastic.hang_timeout_s=0.3")
+    advance_until(coordinator, Running)
+    train_to(coordinator, 4)
+    group.hung = True
+    state = advance_until(coordinator, Restarting, max_iterations=20)
+    assert events(coordinator, "failure")[0]["health"] == "hung"
+    assert group.dropped == 4 and state.decision.nodes == ("a", "b")
+
+
+def test_the_same_step_failing_twice_fails_the_run(start):
+    coordinator, _, group = start(("a", "b"), "checkpoint.every_steps=0")
+    advance_until(coordinator, Running)
+    train_to(coordinator, 3)
+    group.kill_rank(1)
+    advance_until(coordinator, Running)  # restarts from step 0 ...
+    train_to(coordinator, 3)
+    group.kill_rank(1)  # ... and fails after step 3 again
+    assert isinstance(coordinator.advance(), Failed)
+    assert "deterministic" in coordinator.state.reason
+
+
+def test_the_autoscaler_is_asked_for_max_nodes(start):
+    coordinator, cluster, _ = start(("a",), "elastic.max_nodes=3")
+    coordinator.advance()
+    assert cluster.requests == [[{"accelerator": 2}] * 3]
+
+
+def test_capacity_request_bounds():
+    two = (NodeInfo("a", 2), NodeInfo("b", 2))
+    assert capacity_request(ElasticConfig(max_nodes=None), "GPU", two, 8, None) == []
+    assert capacity_request(ElasticConfig(max_nodes=4), "GPU", two, 8, None) == [{"GPU": 2}] * 4
+    # cluster.num_ranks=6 needs 3 nodes of 2, fewer than max_nodes.
+    assert capacity_request(ElasticConfig(max_nodes=4), "GPU", two, 8, 6) == [{"GPU": 2}] * 3
+    # Before any node is known, the configured node size is assumed.
+    assert capacity_request(ElasticConfig(max_nodes=2), "GPU", (), 8, None) == [{"GPU": 8}] * 2
+
+
+def test_lost_with_node_tells_a_dead_process_from_a_dead_node():
+    dead = {"state": "dead", "node_id": "b", "error": "worker process has died"}
+    peer_failed = {"state": "failed", "node_id": "b", "error": "gloo"}
+    assert lost_with_node([dead, peer_failed], ["a", "a", "b", "b"]) == set()
+    assert lost_with_node([dead, dead], ["a", "a", "b", "b"]) == {"b"}
+    assert lost_with_node([dead], ["a", "b"]) == set()
+    by_node = {
+        "state": "dead",
+        "node_id": "b",
+        "error": "The actor died because its node has died.",
+    }
+    assert lost_with_node([by_node], ["a", "b"]) == {"b"}

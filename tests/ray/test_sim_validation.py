@@ -1,0 +1,58 @@
+"""The simulator against a real embedded multi-node run on the same trace (a chaos list): the
+same layouts in the same order, and a timeline within 25% once fed the run's own measured costs
+(`raytrain_dt/sim/calibrate.py` lists what is calibrated; the step counting, lost steps and
+policy decisions are the simulator's own).
+
+The test changes the shared cluster's nodes and puts it back as it found it.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
+from raytrain_dt.control.coordinator import train
+from raytrain_dt.observe.metrics import read_jsonl
+from raytrain_dt.sim.calibrate import costs_from_run, measured_timeline
+from raytrain_dt.sim.planner import SimPlanner
+from raytrain_dt.sim.runner import Setup
+from raytrain_dt.sim.trace import StepTrace
+
+KILL_STEP, ADD_STEP = 6, 8
+
+
+def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config):
+    cfg = make_config("trainer.steps=16", "checkpoint.every_steps=4", "cluster.num_ranks=null",
+                      "engine.zero_stage=3", "chaos_step_delay_s=0.3", "elastic.grow_stable_s=1",
+                      "elastic.hang_timeout_s=300",  # a slow start on a busy machine is no hang
+                      f"chaos=[{{at_step: {KILL_STEP}, action: kill_node, target: 3}}, "
+                      f"{{at_step: {ADD_STEP}, action: add_node}}]")  # fmt: skip
+    nodes = alive_nodes(SIMULATED_ACCELERATOR)
+    memory = min(n.memory_bytes for n in nodes)
+    result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
+    assert result.final_step == cfg.trainer.steps
+
+    events = read_jsonl(f"{result.run_dir}/events.jsonl")
+    real_layouts = [e["new_layout"] for e in events if e["event"] in ("start", "resize")]
+    costs = costs_from_run(result.run_dir, add_step=ADD_STEP)
+    planner = SimPlanner(cfg, resource=SIMULATED_ACCELERATOR, node_memory_bytes=memory)
+    setup = Setup(planner, costs, cfg.cluster.accelerators_per_node, len(nodes), cfg.elastic)
+    sim = setup.run("ours", StepTrace.from_chaos(len(nodes), cfg.chaos),
+                    cfg.checkpoint.every_steps, total_steps=cfg.trainer.steps)  # fmt: skip
+
+    # The decisions: the same layouts, in the same order (4 ranks, 2 after the loss, 4 again).
+    assert [f["layout"] for f in sim.formations] == real_layouts
+    assert [f["world"] for f in sim.formations] == [4, 2, 4]
+
+    # The timeline from the first trained step: when each later formation was formed, and the end.
+    measured = measured_timeline(result.run_dir)
+    start = sim.formations[0]
+    origin = start["t"] + costs.first_step_extra_s + start["step_s"]
+    simulated = {
+        "formed": [f["t"] - origin for f in sim.formations[1:]],
+        "end": sim.wall_s - origin,
+    }
+    pairs = [*zip(simulated["formed"], measured["formed"], strict=True),
+             (simulated["end"], measured["end"])]  # fmt: skip
+    for sim_s, real_s in pairs:
+        assert sim_s == pytest.approx(real_s, rel=0.25), (simulated, measured, costs)

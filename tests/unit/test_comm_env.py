@@ -1,0 +1,118 @@
+"""The rank actors' NCCL/Gloo environment: per topology, config overrides win, bad names fail."""
+
+from __future__ import annotations
+
+import pytest
+
+from raytrain_dt.config import load_config
+from raytrain_dt.control.comm_env import comm_env, run_comm_env, spans_nodes, with_comm_env
+from raytrain_dt.errors import ConfigError
+
+RECIPE = "conf/test.yaml"
+
+
+def _comm(*overrides: str):
+    return load_config(RECIPE, list(overrides)).comm
+
+
+def test_single_node_keeps_bootstrap_and_gloo_on_loopback_and_sets_no_fabric():
+    env = comm_env(_comm(), multi_node=False)
+    assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
+    assert not {"NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL", "NCCL_NET"} & env.keys()
+    # Algorithms, protocols and buffer size are NCCL's to tune unless configured.
+    assert not {"NCCL_ALGO", "NCCL_PROTO", "NCCL_BUFFSIZE"} & env.keys()
+
+
+def test_multi_node_leaves_the_interface_to_nccl_and_sets_the_chosen_fabric():
+    auto = comm_env(_comm(), multi_node=True)
+    assert "GLOO_SOCKET_IFNAME" not in auto and "NCCL_SOCKET_IFNAME" not in auto
+    assert "NCCL_IB_DISABLE" not in auto  # auto: NCCL picks EFA plugin, IB or sockets itself
+    ib = comm_env(_comm("comm.network=ib", "comm.socket_ifname=ens5"), multi_node=True)
+    assert ib["NCCL_IB_DISABLE"] == "0" and ib["NCCL_NET_GDR_LEVEL"] == "PHB"
+    assert ib["NCCL_SOCKET_IFNAME"] == ib["GLOO_SOCKET_IFNAME"] == "ens5"
+    tcp = comm_env(_comm("comm.network=socket"), multi_node=True)
+    assert tcp["NCCL_IB_DISABLE"] == "1" and tcp["NCCL_NET"] == "Socket"
+
+
+def test_configured_tuning_and_env_overrides_win():
+    comm = _comm("comm.algo=Ring", "comm.proto=Simple", "comm.buffsize_bytes=8388608",
+                 "comm.blocking_wait=true", "comm.env.NCCL_SOCKET_IFNAME=eth1",
+                 "comm.env.TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "comm.env.NCCL_IB_TIMEOUT=22")  # fmt: skip
+    env = comm_env(comm, multi_node=False)
+    assert (env["NCCL_ALGO"], env["NCCL_PROTO"], env["NCCL_BUFFSIZE"]) == ("Ring", "Simple",
+                                                                           "8388608")  # fmt: skip
+    assert env["TORCH_NCCL_BLOCKING_WAIT"] == "1"
+    assert env["NCCL_SOCKET_IFNAME"] == "eth1"  # the env override beats the topology default
+    assert env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+    assert env["NCCL_IB_TIMEOUT"] == "22"
+    assert all(isinstance(v, str) for v in env.values())  # Ray's env_vars take strings only
+
+
+def test_flight_recorder_dumps_into_the_run_logs(tmp_path):
+    cfg = load_config(RECIPE, [f"run.dir={tmp_path}"])
+    env = run_comm_env(cfg, "existing", tmp_path)
+    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "logs" / "nccl_trace_rank_")
+    assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    off = comm_env(_comm("comm.trace_buffer=0"), multi_node=True, log_dir=tmp_path)
+    assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in off
+
+
+def test_topology_follows_the_cluster_and_the_node_bound():
+    cfg = load_config(RECIPE)
+    assert not spans_nodes(cfg, "embedded")
+    assert spans_nodes(cfg, "joined") and spans_nodes(cfg, "simulated")
+    assert not spans_nodes(load_config(RECIPE, ["elastic.max_nodes=1"]), "joined")
+
+
+def test_collective_timeout_is_configurable_and_below_torchs_30_minutes():
+    assert load_config(RECIPE).comm.timeout_s < 30 * 60
+    assert load_config(RECIPE, ["comm.timeout_s=90"]).comm.timeout_s == 90
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("comm.network=roce", "comm.network: 'roce' is not one of auto, ib, socket"),
+        ("comm.timeout_s=0", "comm.timeout_s: must be > 0, got 0.0"),
+    ],
+)
+def test_bad_comm_values_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(RECIPE, [override])
+
+
+def test_bad_env_name_names_the_key():
+    with pytest.raises(ConfigError, match=r"comm.env.1BAD: not a valid environment"):
+        comm_env(_comm("comm.env.1BAD=x"), multi_node=False)
+
+
+def test_comm_env_merges_into_the_storage_runtime_env():
+    merged = with_comm_env({"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "INFO"}},
+                           {"NCCL_DEBUG": "WARN"})  # fmt: skip
+    assert merged == {"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "WARN"}}
+    assert with_comm_env(None, {"A": "1"}) == {"env_vars": {"A": "1"}}
+
+
+def test_every_group_a_rank_creates_gets_the_collective_timeout(tmp_path, monkeypatch):
+    """Groups made after the world group (device-mesh dimensions use the same `new_group`,
+    the checkpoint side groups too) would otherwise take torch's 30-minute Gloo default."""
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from raytrain_dt.worker.collective_timeout import set_collective_timeout
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        monkeypatch.setattr(c10d, name, getattr(c10d, name))  # restored afterwards
+    timeout = set_collective_timeout(load_config(RECIPE, ["comm.timeout_s=77"]).comm.timeout_s)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
+                            world_size=1, timeout=timeout)  # fmt: skip
+    try:
+        groups = [dist.new_group(backend="gloo"), dist.new_group(ranks=[0], backend="gloo")]
+        seen = [g._get_backend(torch.device("cpu")).options._timeout for g in groups]
+    finally:
+        dist.destroy_process_group()
+    assert seen == [timeout] * 2 and timeout.total_seconds() == 77

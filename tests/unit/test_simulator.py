@@ -1,0 +1,145 @@
+"""The elasticity simulator: seeded traces, the coordinator's policy on hand-checkable timelines,
+and the three policies ranked on a trace with notices (no Ray, no torch.distributed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from raytrain_dt.cli import main
+from raytrain_dt.sim.costs import Costs
+from raytrain_dt.sim.planner import SimPlanner
+from raytrain_dt.sim.runner import Setup, scale_config
+from raytrain_dt.sim.trace import (
+    DAY,
+    DOWN,
+    NOTICE,
+    UP,
+    Trace,
+    TraceSpec,
+    load_trace,
+    synthetic_trace,
+)
+
+
+def test_synthetic_trace_is_deterministic_per_seed_and_well_formed():
+    spec = TraceSpec(nodes=256, duration_s=7 * DAY, zone_outages_per_day=0.0, seed=3)
+    a, b = synthetic_trace(spec), synthetic_trace(spec)
+    other = synthetic_trace(
+        TraceSpec(nodes=256, duration_s=7 * DAY, zone_outages_per_day=0.0, seed=4)
+    )
+    for x, y in ((a.t, b.t), (a.kind, b.kind), (a.node, b.node)):
+        np.testing.assert_array_equal(x, y)
+    assert len(a) != len(other) or not np.array_equal(a.t, other.t)
+    # Per node the events alternate: (notice) down, up, (notice) down, ... starting from up.
+    for node in range(spec.nodes):
+        kinds = [k for k in a.kind[a.node == node] if k != NOTICE]
+        assert kinds == [DOWN, UP] * (len(kinds) // 2) + [DOWN] * (len(kinds) % 2)
+    # A notice comes notice_s before its node goes down; no failure has one.
+    for i in np.nonzero(a.kind == NOTICE)[0]:
+        down = np.nonzero((a.node == a.node[i]) & (a.kind == DOWN) & (a.t >= a.t[i]))[0][0]
+        assert a.t[down] - a.t[i] == pytest.approx(spec.notice_s)
+    # Losses follow the configured Poisson rates (mean ~ 236 here; 4 sigma is ~ 60).
+    rate = spec.preemptions_per_node_day + spec.failures_per_node_day
+    assert abs(a.counts()["down"] - rate * spec.nodes * 7) < 60
+    noticed = a.counts()["notice"] / a.counts()["down"]
+    assert abs(noticed - spec.preemptions_per_node_day / rate) < 0.08
+
+
+def test_zone_outage_takes_the_whole_zone_at_once():
+    spec = TraceSpec(nodes=128, duration_s=DAY, preemptions_per_node_day=0.0,
+                     failures_per_node_day=0.0, zone_size=32, zone_outages_per_day=3.0, seed=1)  # fmt: skip
+    trace = synthetic_trace(spec)
+    first = trace.t[trace.kind == DOWN].min()
+    lost = set(trace.node[(trace.kind == DOWN) & (trace.t == first)].tolist())
+    zone = min(lost) // 32
+    assert lost == set(range(zone * 32, zone * 32 + 32))
+
+
+def test_trace_files_round_trip_and_bad_rows_name_the_event(tmp_path):
+    trace = synthetic_trace(TraceSpec(nodes=16, duration_s=DAY, preemptions_per_node_day=1.0))
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps(trace.to_json()))
+    back = load_trace(path, nodes=1, duration_s=1.0)
+    assert back.nodes == 16 and back.counts() == trace.counts()
+    np.testing.assert_allclose(back.t, trace.t, atol=1e-3)
+    csv_path = tmp_path / "trace.csv"
+    csv_path.write_text("t,kind,node\n5,down,1\n10,up,1\n7,bogus,2\n")
+    with pytest.raises(Exception, match="event 2"):
+        load_trace(csv_path, nodes=4, duration_s=100)
+
+
+def _hand_setup(**cost_changes) -> Setup:
+    """A tiny model on 2 nodes x 8 GPUs, measured step times 1 s (16 GPUs) and 2 s (8 GPUs)."""
+    cfg = scale_config("tiny", 8, 128, 16)
+    costs = Costs(detection_s=10, replan_s=0, reform_s=20, actor_start_s=30, first_step_extra_s=0,
+                  ckpt_save_s=0, ckpt_load_s=5, ckpt_stall_s=0, step_s_by_world={16: 1.0, 8: 2.0},
+                  **cost_changes)  # fmt: skip
+    return Setup(SimPlanner(cfg), costs, 8, 2, cfg.elastic)
+
+
+def _one_event_trace(*events: tuple[float, int, int]) -> Trace:
+    t, kind, node = zip(*events, strict=True)
+    return Trace(2, 1000.0, np.array(t, float), np.array(kind), np.array(node))
+
+
+def test_hand_computed_timeline_of_a_lost_node():
+    setup = _hand_setup()
+    result = setup.run("ours", _one_event_trace((100.5, DOWN, 1)), ckpt_every=30)
+    assert [f["world"] for f in result.formations] == [16, 8]  # the real planner's choices
+    # Start: re-plan 0 + re-form 20 + load 5 + new actors 30 -> steps from t=55 at 1 s.
+    # At 100.5 step 45 is done (the 46th in flight) and step 30 is committed: 15 steps lost.
+    # Detected at 110.5; re-form 20 + load 5 on the surviving node (actors kept) -> t=135.5,
+    # resumed from step 30 at 2 s/step: floor((1000 - 135.5) / 2) = 432 more steps.
+    assert result.steps == 30 + 432 and result.steps_lost == 15
+    assert result.samples == 462 * 16
+    assert result.down_s == pytest.approx(55 + (135.5 - 100.5))
+    assert result.degraded_s == pytest.approx(1000 - 135.5)
+    assert result.lost_compute_s == pytest.approx(15 * 1.0 + 0.5)
+    assert setup.score(result)["goodput"] == pytest.approx(462 / 1000)
+
+
+def test_hand_computed_notice_drains_and_loses_nothing():
+    setup = _hand_setup()
+    trace = _one_event_trace((100.5, NOTICE, 1), (220.5, DOWN, 1))
+    ours = setup.run("ours", trace, ckpt_every=30)
+    # Notice at 100.5: step 46 completes at 101, the JIT save (0 s) commits it, then re-form
+    # 20 + load 5 on the kept node -> 126, and 2 s steps: floor(874 / 2) = 437 more.
+    assert ours.steps == 46 + 437 and ours.steps_lost == 0 and ours.drains == 1
+    # Fixed-size restart ignores the notice: at 220.5 step 165 is done, 150 committed, and
+    # it waits for a second node that never comes.
+    restart = setup.run("restart", trace, ckpt_every=30)
+    assert restart.steps == 150 and restart.steps_lost == 15
+    assert restart.down_s == pytest.approx(55 + 1000 - 220.5)
+
+
+def test_policies_rank_ours_over_dp_only_over_restart_on_a_trace_with_notices():
+    cfg = scale_config("llama-70b", 8, 4096, 1680)
+    setup = Setup(SimPlanner(cfg), Costs(), 8, 12, cfg.elastic)
+    trace = synthetic_trace(TraceSpec(nodes=12, duration_s=2 * DAY, preemptions_per_node_day=1.0,
+                                      failures_per_node_day=0.0, zone_outages_per_day=0.0))  # fmt: skip
+    assert trace.counts()["notice"] == trace.counts()["down"] > 10
+    rows = {
+        name: setup.score(setup.run(name, trace, 300)) for name in ("restart", "dp_only", "ours")
+    }
+    assert rows["ours"]["goodput"] >= rows["dp_only"]["goodput"] >= rows["restart"]["goodput"]
+    assert rows["ours"]["steps_lost"] == 0 and rows["ours"]["drains"] > 0
+    assert rows["restart"]["steps_lost"] > 0
+
+
+def test_simulate_cli_writes_json_plots_and_report(tmp_path, capsys):
+    out = tmp_path / "sim"
+    code = main(["simulate", "--nodes", "12", "--days", "1", "--model", "llama-70b",
+                 "--global-batch", "1680", "--preemptions-per-node-day", "1", "--sweep", "100,400",
+                 "--out", str(out)])  # fmt: skip
+    assert code == 0
+    record = json.loads((out / "simulation.json").read_text())
+    assert [r["policy"] for r in record["comparison"]] == ["restart", "dp_only", "ours"]
+    assert len(record["sweep"]) == 3 * len({100, 400, record["ckpt_every"]})
+    assert all(
+        (out / name).stat().st_size > 0 for name in ("timeline.png", "sweep.png", "report.md")
+    )
+    assert "| ours |" in capsys.readouterr().out
+    assert main(["simulate", "--out", str(out), "--cost", "bogus=1"]) == 2
