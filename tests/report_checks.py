@@ -83,7 +83,10 @@ def check_report(cfg, run_dir: str | Path) -> dict:
             failure = max(
                 (e for e in of("failure") if e["time"] < started), key=lambda e: e["time"]
             )
-            assert line[r["resumed_step"]]["time"] <= stopped <= failure["time"]
+            # Resumed from step 0 (no checkpoint committed yet): the run's start bounds it.
+            resumed = r["resumed_step"]
+            since = line[resumed]["time"] if resumed else of("session")[0]["time"]
+            assert since <= stopped <= failure["time"]
 
     sessions = of("session")
     wall = max(x["time"] for x in events + metrics) - sessions[0]["time"]
