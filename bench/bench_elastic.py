@@ -26,13 +26,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 40, 5
+SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 50, 5
 STEP_DELAY_S = 0.1  # both systems: lets each fault play out before the next one
 # (what, chaos action, its step): the incidents of our run, in the order they happen.
 INCIDENTS = [("rank death", {"at_step": 6, "action": "kill_rank", "target": 1}),
              ("node loss", {"at_step": 14, "action": "kill_node", "target": 3}),
              ("node arrival", {"at_step": 22, "action": "add_node"}),
-             ("preemption with notice", {"at_step": 30, "action": "preempt_node", "target": 3})]  # fmt: skip
+             ("preemption with notice", {"at_step": 38, "action": "preempt_node", "target": 3})]  # fmt: skip
 BREAKDOWN = ("detection_s", "replan_s", "drain_s", "reform_s", "model_build_s",
              "checkpoint_load_s", "data_start_s", "first_step_s", "total_s")  # fmt: skip
 TARGETS = {"rank death": "total < 5 s", "node arrival": "total < 5 s + one step",
