@@ -43,6 +43,8 @@ LAYOUTS = [
     ("fsdp2-zero1 dp2", "fsdp2", 1, {"dp_shard": 2}),
     ("fsdp2-grad-op dp2", "fsdp2", 2, {"dp_shard": 2}),
     ("fsdp2-full dp2", "fsdp2", 3, {"dp_shard": 2}),
+    # engine.grad_sync=final: unsharded gradients held across micro-steps.
+    ("fsdp2-full dp2 deferred", "fsdp2", 3, {"dp_shard": 2, "defer_grad_sync": True}),
     ("fsdp2-full dp4", "fsdp2", 3, {"dp_shard": 4}),
     ("tp2", "fsdp2", 3, {"tp": 2}),
     ("dp2xtp2", "fsdp2", 3, {"dp_shard": 2, "tp": 2}),
@@ -58,6 +60,8 @@ def make_layout(zero: int, degrees: dict):
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
 
+    degrees = dict(degrees)
+    defer = degrees.pop("defer_grad_sync", False)
     world = 1
     for v in degrees.values():
         world *= v
@@ -67,6 +71,7 @@ def make_layout(zero: int, degrees: dict):
         zero_stage=zero,
         micro_batch=GLOBAL_BATCH // (GRAD_ACCUM * dims.dp),
         grad_accum=GRAD_ACCUM,
+        defer_grad_sync=defer,
     )
 
 
@@ -382,7 +387,12 @@ def planner_bytes(shape, engine: str, layout) -> tuple[tuple, tuple]:
     degrees = {"tp": d.tp, "pp": d.pp, "shard": d.dp_shard, "zero_stage": layout.zero_stage}
     rest = model_state_bytes(shape, **degrees, precision="fp32", engine=engine)
     extra = working_state_bytes(
-        shape, **degrees, precision="fp32", engine=engine, grad_accum=layout.grad_accum
+        shape,
+        **degrees,
+        precision="fp32",
+        engine=engine,
+        grad_accum=layout.grad_accum,
+        defer_grad_sync=layout.defer_grad_sync,
     )
     return rest, (rest[0] + extra[0], rest[1] + extra[1], rest[2])
 

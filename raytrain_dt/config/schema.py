@@ -148,6 +148,12 @@ class EngineConfig:
     offload_optimizer: bool = False
     # auto: bf16 compute with fp32 master weights on GPU, fp32 on CPU.
     precision: str = "auto"
+    # When FSDP2 at zero_stage 2/3 reduces gradients under accumulation. final: only the last
+    # micro-step reduce-scatters (full unsharded gradients are held between micro-steps: less
+    # traffic, more memory); every: each micro-step reduce-scatters (sharded gradients only);
+    # auto: the planner picks final where it fits. Stages 0/1 and pipeline stages always sync
+    # at the final micro-step; DeepSpeed ZeRO-2/3 always reduce every micro-step.
+    grad_sync: str = "auto"
 
 
 @dataclass
@@ -284,6 +290,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "engine.name": ("fsdp2", "deepspeed"),
     "engine.zero_stage": (None, 0, 1, 2, 3),
     "engine.precision": ("auto", "fp32", "bf16"),
+    "engine.grad_sync": ("auto", "final", "every"),
     "model.hf_init": ("auto", "random", "weights"),
     "data.format": ("auto", "parquet", "json", "text", "hf"),
     "comm.network": ("auto", "ib", "socket"),

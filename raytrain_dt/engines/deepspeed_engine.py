@@ -116,6 +116,31 @@ def _skip_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
+def initialize_deepspeed(
+    model: nn.Module, cfg: TrainConfig, ds_config: dict, device: DeviceSpec, mpu=None
+) -> tuple:
+    """(DeepSpeed engine, its optimizer) around `model` with our AdamW, on the process group
+    the actor already initialised. `mpu` names the data- and model-parallel groups when the
+    world is more than data parallel (DeepSpeed's "model parallel unit" protocol)."""
+    import deepspeed
+
+    # DeepSpeed picks its device from LOCAL_RANK; the actor has already selected it.
+    local = torch.cuda.current_device() if device.device_type == "cuda" else 0
+    os.environ.setdefault("LOCAL_RANK", str(local))
+    if device.device_type == "cpu":
+        _skip_shm_comm()
+    # The actor initialised torch.distributed; this only wraps the existing default group.
+    deepspeed.init_distributed(dist_backend=device.backend, dist_init_required=False)
+    engine, optimizer, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=build_adamw(model, cfg.trainer),
+        config=ds_config,
+        mpu=mpu,
+        dist_init_required=False,
+    )
+    return engine, optimizer
+
+
 class DeepSpeedEngine:
     def __init__(
         self,
@@ -136,22 +161,8 @@ class DeepSpeedEngine:
             from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
 
             apply_activation_checkpointing(model, spec.blocks(model))
-        import deepspeed
-
-        # DeepSpeed picks its device from LOCAL_RANK; the actor has already selected it.
-        local = torch.cuda.current_device() if device.device_type == "cuda" else 0
-        os.environ.setdefault("LOCAL_RANK", str(local))
-        if device.device_type == "cpu":
-            _skip_shm_comm()
-        # The actor initialised torch.distributed; this only wraps the existing default group.
-        deepspeed.init_distributed(dist_backend=device.backend, dist_init_required=False)
         self._names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-        self.engine, self.optimizer, _, _ = deepspeed.initialize(
-            model=model,
-            optimizer=build_adamw(model, cfg.trainer),
-            config=self.ds_config,
-            dist_init_required=False,
-        )
+        self.engine, self.optimizer = initialize_deepspeed(model, cfg, self.ds_config, device)
         self._dp_group = mesh["dp"].get_group()
 
     def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult:

@@ -157,7 +157,8 @@ class FSDP2Engine:
         accum = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
         for i, tokens in enumerate(micro_batches):
-            self.model.set_requires_gradient_sync(i == accum - 1 or self.layout.zero_stage >= 2)
+            last = i == accum - 1
+            self.model.set_requires_gradient_sync(last or not self.layout.grad_sync_deferred)
             tokens = self._to_device(tokens)
             with loss_context(self.layout.dims.tp_enabled):
                 loss = self._loss(self.model(tokens), tokens)

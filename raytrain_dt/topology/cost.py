@@ -114,10 +114,12 @@ def dp_comm_s(
     rs = reduce_scatter_s(grads, d.dp_shard, *shard_link)
     ag = all_gather_s(params, d.dp_shard, *shard_link)
     replica = all_reduce_s(grads / d.dp_shard, d.dp_replicate, *rep_link)
+    # Deferred sync (`Layout.defer_grad_sync`) reduces once, behind the last backward.
+    syncs = 1 if layout.defer_grad_sync else m
     if z == 3:
-        return m * (2 * ag + rs + replica), 1.0
+        return m * 2 * ag + syncs * (rs + replica), 1.0
     if z == 2:
-        return m * (rs + replica) + ag, 2.0 / 3.0
+        return syncs * (rs + replica) + ag, (backward_last if syncs == 1 else 2.0 / 3.0)
     return rs + replica + ag, backward_last
 
 

@@ -43,10 +43,42 @@ class Layout:
     offload_optimizer: bool = False
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1
+    # FSDP2 zero 2/3 only: reduce-scatter at the final micro-step instead of every one.
+    defer_grad_sync: bool = False
+    # Samples per step when fewer than the batch slots (micro_batch * grad_accum * dp): the
+    # ranks then read uneven slices and the rest of their slots are zero-weighted padding
+    # (`data.order.rank_rows`). 0 means every slot holds a sample, as in older records.
+    real_global_batch: int = 0
+
+    def __post_init__(self) -> None:
+        if self.real_global_batch == self.batch_slots:  # one spelling of "no padding"
+            object.__setattr__(self, "real_global_batch", 0)
+        g, dp, per_rank = self.real_global_batch, self.dims.dp, self.micro_batch * self.grad_accum
+        if g and not dp <= g < self.batch_slots or -(-g // dp) > per_rank:
+            raise ValueError(
+                f"real_global_batch={g} must leave every one of dp={dp} ranks between 1 and "
+                f"micro_batch x grad_accum = {per_rank} samples"
+            )
+
+    @property
+    def grad_sync_deferred(self) -> bool:
+        """Whether gradients accumulate unreduced until the final micro-step: always at zero
+        0/1 and under a pipeline schedule, by choice (`defer_grad_sync`) at zero 2/3."""
+        return self.zero_stage <= 1 or self.dims.pp > 1 or self.defer_grad_sync
 
     @property
     def global_batch(self) -> int:
+        """Samples per optimizer step: what the data order, the ledger and throughput count."""
+        return self.real_global_batch or self.batch_slots
+
+    @property
+    def batch_slots(self) -> int:
+        """Rows per step over all DP ranks, padding included: what the engines' shapes see."""
         return self.micro_batch * self.grad_accum * self.dims.dp
+
+    @property
+    def padded_slots(self) -> int:
+        return self.batch_slots - self.global_batch
 
     def describe(self) -> str:
         return (
@@ -54,6 +86,9 @@ class Layout:
             f"grad_accum={self.grad_accum}"
             + (" +ac" if self.activation_checkpointing else "")
             + (" +sp" if self.sequence_parallel else "")
+            + (" +deferred-sync" if self.defer_grad_sync else "")
+            + (f" global_batch={self.global_batch} (+{self.padded_slots} padded)"
+               if self.padded_slots else "")
         )
 
     def as_dict(self) -> dict:

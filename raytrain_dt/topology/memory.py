@@ -138,6 +138,7 @@ def working_state_bytes(
     precision: str = "bf16",
     engine: str = "fsdp2",
     grad_accum: int = 1,
+    defer_grad_sync: bool = False,
 ) -> tuple[float, float]:
     """(params, grads) bytes held on top of `model_state_bytes` during forward and backward.
 
@@ -160,7 +161,8 @@ def working_state_bytes(
     if engine == "fsdp2":
         # A pipeline schedule keeps its stages unsharded and unsynced across all micro-batches
         # (torch.distributed.pipelining turns off resharding after backward and the reduce).
-        deferred = (grad_accum > 1 and zero_stage <= 1) or pp > 1
+        # At zero 2/3 deferring is the layout's choice (`Layout.defer_grad_sync`).
+        deferred = (grad_accum > 1 and (zero_stage <= 1 or defer_grad_sync)) or pp > 1
         if zero_stage == 3 and pp == 1:
             root = local - shape.n_layers * layer
             params = (root + 2 * layer) * compute_bytes
@@ -277,7 +279,12 @@ def estimate_memory(
         offload_params=offload_params,
     )
     working_params, working_grads = working_state_bytes(
-        shape, **degrees, precision=precision, engine=engine, grad_accum=layout.grad_accum
+        shape,
+        **degrees,
+        precision=precision,
+        engine=engine,
+        grad_accum=layout.grad_accum,
+        defer_grad_sync=layout.defer_grad_sync,
     )
     params += working_params
     grads += working_grads

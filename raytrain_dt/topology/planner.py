@@ -49,6 +49,7 @@ class LayoutPins:
     sequence_parallel: bool | None = None
     pp_schedule: str | None = None
     virtual_stages: int | None = None
+    grad_sync: str | None = None  # final / every; None: the planner chooses
 
     @classmethod
     def from_config(cls, cfg) -> LayoutPins:
@@ -63,6 +64,7 @@ class LayoutPins:
             tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
             zero_stage=e.zero_stage, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
             pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages,
+            grad_sync=None if e.grad_sync == "auto" else e.grad_sync,
             # Pinned both ways: a layout may only claim sequence parallelism the engine applies.
             sequence_parallel=p.sequence_parallel,
             **{k: True if v else None for k, v in flag.items()},
@@ -294,14 +296,33 @@ def _enumerate(shape, topo, pins, world, o: _Opts, allow_offload=False):
                 for mb in mbs:  # ascending: activations only grow, so stop at the first miss
                     layout = Layout(dims, zero, mb, per_rank // mb, ac, sp, offload, sched, v)
                     kw = {"seq_len": o.seq_len, "precision": o.precision}
-                    mem = estimate_memory(shape, layout, margin=o.margin, engine=o.engine, **kw)
-                    if mem.total > topo.memory_per_accelerator:
+                    found = [
+                        (lay, estimate_memory(shape, lay, margin=o.margin, engine=o.engine, **kw))
+                        for lay in _grad_sync_variants(layout, pins, o.engine)
+                    ]
+                    fits = [(lay, m) for lay, m in found if m.total <= topo.memory_per_accelerator]
+                    if not found:
+                        break
+                    if not fits:
+                        mem = min((m for _, m in found), key=lambda m: m.total)
                         if leanest is None or mem.total < leanest.memory.total:
                             leanest = Candidate(layout, mem, StepTime(0, 0, 0, 0, 0, 0))
                         break
-                    t = estimate_step_time(shape, layout, topo, mfu=o.mfu, **kw)
-                    fitting.append(Candidate(layout, mem, t))
+                    for lay, mem in fits:
+                        t = estimate_step_time(shape, lay, topo, mfu=o.mfu, **kw)
+                        fitting.append(Candidate(lay, mem, t))
     return fitting, leanest
+
+
+def _grad_sync_variants(layout: Layout, pins: LayoutPins, engine: str) -> list[Layout]:
+    """`layout` with each gradient-sync choice it allows: deferring the reduce-scatter to the
+    final micro-step is a choice only for FSDP2 zero 2/3 with accumulation and no pipeline."""
+    if layout.grad_sync_deferred or layout.grad_accum == 1:
+        return [layout]
+    if engine != "fsdp2":  # DeepSpeed ZeRO-2/3 reduce in backward hooks on every micro-step
+        return [] if pins.grad_sync == "final" else [layout]
+    deferred = dataclasses.replace(layout, defer_grad_sync=True)
+    return {"final": [deferred], "every": [layout]}.get(pins.grad_sync, [deferred, layout])
 
 
 def _rank_key(c: Candidate):

@@ -29,6 +29,7 @@ def _layout(zero: int = 3, **kw) -> Layout:
             "pp_schedule",
             "virtual_stages",
             "offload_optimizer",
+            "defer_grad_sync",
         )
         if k in kw
     }
@@ -65,8 +66,10 @@ LAYOUTS = {
     "pp2xdp2": _layout(pp=2, dp_shard=2),
     # CPUOffloadPolicy: shards, gradients and the optimizer step live in host memory.
     "fsdp2-full+offload": _layout(zero=3, dp_shard=2, offload_optimizer=True),
-    # ZeRO-1 accumulates without sync (grad-op stages 2 and 3 reduce every micro-step).
+    # ZeRO-1 accumulates without sync; stages 2 and 3 reduce every micro-step unless the
+    # layout defers the reduce-scatter to the final one (engine.grad_sync=final).
     "fsdp2-zero1": _layout(zero=1, dp_shard=2),
+    "fsdp2-full+deferred-sync": _layout(zero=3, dp_shard=2, defer_grad_sync=True),
 }
 
 

@@ -110,6 +110,32 @@ def test_pins_are_honoured() -> None:
     assert lay.activation_checkpointing and lay.grad_accum == 16 and lay.dims.dp == 2
 
 
+def test_grad_sync_is_deferred_where_the_unsharded_gradients_fit() -> None:
+    """engine.grad_sync=auto: ZeRO-3 with accumulation reduces once per step when the full
+    gradients fit beside everything else (7B over 32 GPUs), and every micro-step when they do
+    not (13B on 8 GPUs would need 52 GB of fp32 gradients on top of its shards)."""
+    roomy = _plan("llama-7b", 4, gb=512).best.layout
+    assert roomy.zero_stage == 3 and roomy.grad_accum > 1 and roomy.defer_grad_sync
+    tight = _plan("llama-13b", 1).best.layout
+    assert tight.zero_stage == 3 and tight.grad_accum > 1 and not tight.defer_grad_sync
+    # Each choice is priced: the deferred layout holds more gradient memory and moves less.
+    every = _plan("llama-7b", 4, gb=512, pins=LayoutPins(grad_sync="every")).best
+    assert not every.layout.defer_grad_sync
+    deferred = _plan("llama-7b", 4, gb=512).best
+    assert deferred.memory.grads > every.memory.grads
+    assert deferred.step_time.total_s < every.step_time.total_s
+
+
+def test_grad_sync_final_keeps_to_layouts_that_can_defer() -> None:
+    # 13B on one node cannot defer at ZeRO-3; pinned to final, the planner finds a layout that
+    # syncs once per step (ZeRO-1 over fewer DP ranks, with pipeline stages).
+    lay = _plan("llama-13b", 1, pins=LayoutPins(grad_sync="final")).best.layout
+    assert lay.grad_sync_deferred
+    # DeepSpeed ZeRO-2/3 reduce every micro-step, so only ZeRO-0/1 layouts remain.
+    ds = _plan("llama-1b", 1, pins=LayoutPins(grad_sync="final"), engine="deepspeed").best
+    assert ds.layout.zero_stage <= 1
+
+
 def test_pins_from_config() -> None:
     cfg = TrainConfig()
     cfg.parallel.tp, cfg.engine.zero_stage, cfg.trainer.micro_batch = 2, 3, 4
