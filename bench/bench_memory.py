@@ -53,6 +53,9 @@ LAYOUTS = [
     ("ds-zero1 dp2", "deepspeed", 1, {"dp_shard": 2}),
     ("ds-zero2 dp2", "deepspeed", 2, {"dp_shard": 2}),
     ("ds-zero3 dp2", "deepspeed", 3, {"dp_shard": 2}),
+    # ZeRO-1 over pipeline stages: each stage's states sharded over its DP ranks.
+    ("ds-zero1 pp2", "deepspeed", 1, {"pp": 2}),
+    ("ds-zero1 pp2xdp2", "deepspeed", 1, {"pp": 2, "dp_shard": 2}),
 ]
 
 
@@ -280,7 +283,8 @@ def _instrument_fsdp2(engine, out: dict) -> None:
 
 def _instrument_deepspeed(engine, out: dict) -> None:
     """Counts every tensor storage DeepSpeed holds at its inner optimizer steps (one per param
-    group; the max is kept) and after the first micro-step's backward.
+    group; the max is kept) and after the first micro-step's backward (under a pipeline: before
+    the accumulated gradients are reduced).
 
     Parameters are the module's (ZeRO-3: each rank's `ds_tensor` partition); the optimizer is
     the inner optimizer's state plus the fp32 master partitions (ZeRO keeps them in
@@ -338,6 +342,16 @@ def _instrument_deepspeed(engine, out: dict) -> None:
         return result
 
     ds.backward = measure_after_backward
+    if getattr(engine, "pipeline", None) is not None:
+        # The schedule runs backward outside DeepSpeed; what it accumulated is held until
+        # ZeRO-1 reduces it into the partitions.
+        reduce = zero_optimizer.reduce_gradients
+
+        def measure_before_reduce(*args, **kwargs):
+            out["accum_grads"] = max(out["accum_grads"] or 0, count()["grads"])
+            return reduce(*args, **kwargs)
+
+        zero_optimizer.reduce_gradients = measure_before_reduce
 
 
 def _tensors_in(value, depth: int = 0):

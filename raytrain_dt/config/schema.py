@@ -138,7 +138,8 @@ class ParallelConfig:
 
 @dataclass
 class EngineConfig:
-    # fsdp2 (torch FSDP2/DTensor: every layout) or deepspeed (ZeRO 1-3, data parallel only).
+    # fsdp2 (torch FSDP2/DTensor: every layout) or deepspeed (ZeRO 1-3 data parallel, and
+    # ZeRO-1 with pipeline stages; no tensor parallelism).
     name: str = "fsdp2"
     # 0 (plain data parallel), 1, 2 or 3; chosen by the planner when null. FSDP2 maps 0 to
     # replicate (DDP), 1 and 2 to grad-op sharding (reshard_after_forward=False), 3 to full.

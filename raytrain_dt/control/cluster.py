@@ -196,9 +196,11 @@ def planning_topology(
 ) -> Topology:
     """The Topology the planner sees: the ranks this run uses, on the nodes that hold them."""
     per_node = min(max(n.accelerators for n in nodes), num_ranks)
-    num_nodes = max(1, num_ranks // per_node)
+    # A partly used last node counts: every rank is one the planner may use (uneven batches
+    # make odd rank counts worth using).
+    num_nodes = -(-num_ranks // per_node)
     on_gpu = resource == "GPU"
-    defaults = Topology(num_nodes=num_nodes, accelerators_per_node=per_node)
+    defaults = Topology(num_nodes=num_nodes, accelerators_per_node=per_node, accelerators=num_ranks)
     if cluster.memory_per_accelerator_gb:
         memory = cluster.memory_per_accelerator_gb * 1e9
     elif on_gpu:

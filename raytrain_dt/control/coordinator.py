@@ -42,6 +42,7 @@ from raytrain_dt.control.comm_env import run_comm_env, with_comm_env
 from raytrain_dt.control.policies import (
     ElasticPolicy,
     Fail,
+    FailureStreak,
     Noop,
     Observation,
     Resize,
@@ -186,10 +187,12 @@ class Coordinator(GroupRecovery):
         self.layout, self.layout_nodes, self.step = None, (), 0
         self.previous_layout = None
         self.formed = False
+        self.group_left = False  # the group's actors have left their layout (torn down)
         resumed_step = self._resume_point()[1]
         self.recorder = RunRecorder(self.run_dir, resumed_step,
                                     default_sinks(self.cfg, self.run_dir, resumed_step))  # fmt: skip
-        self.restarts, self.failures_at_step, self.failed_step = 0, 0, -1
+        # `failed_step`: the last completed step at the latest failure, for its lost steps.
+        self.restarts, self.failed_step, self.streak = 0, -1, FailureStreak()
         self.draining: set[str] = set()
         self.preempting: dict[str, int] = {}  # simulated notices: node -> chaos action index
         self._nodes_key: tuple[str, ...] | None = None  # node set seen last, and since when
@@ -203,6 +206,7 @@ class Coordinator(GroupRecovery):
         self.recovery = RecoveryTimer()
         self._formation_timer: RecoveryTimer | None = None  # runs until the first step
         self._last_healthy = time.perf_counter()
+        self._shrunk_at = float("-inf")  # perf_counter of the latest failure
         self.bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step",
                         disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
         self.state: State = Starting()
@@ -246,11 +250,12 @@ class Coordinator(GroupRecovery):
         for node in drained & set(self.layout_nodes) - self.draining:
             self._notice(node, "ray-drain", "the GCS is draining the node")
         self._request_capacity(nodes)
+        draining = frozenset(self.draining | drained)
         return Observation(
-            now=time.time(), nodes=nodes, draining=frozenset(self.draining | drained),
+            now=time.time(), nodes=self._warm_capacity(nodes, draining), draining=draining,
             layout=self.layout,
             layout_nodes=self.layout_nodes, health=health, step=self.step,
-            restarts=self.restarts, failures_at_step=self.failures_at_step,
+            restarts=self.restarts, failures_at_step=self.streak.count,
             nodes_stable_since=self._nodes_since,
         )  # fmt: skip
 
@@ -277,8 +282,11 @@ class Coordinator(GroupRecovery):
         started = time.perf_counter()
         decision = self.policy.decide(obs)
         if isinstance(decision, Resize):
-            if decision.checkpoint_first and not self.draining:  # growth: since nodes appeared
-                self.recovery.cause(started - (time.time() - self._nodes_since))
+            if decision.checkpoint_first and not self.draining:
+                # Growth: since the nodes appeared, or since the failure that shrank the group
+                # (a grow back onto a dead rank's warmed replacement), whichever is later.
+                appeared = started - (time.time() - self._nodes_since)
+                self.recovery.cause(max(appeared, self._shrunk_at))
             self.recovery.decided(started, time.perf_counter())
         if not isinstance(decision, Noop):
             self.recorder.event("decision", decision=type(decision).__name__.lower(), reason=decision.reason,
@@ -314,7 +322,9 @@ class Coordinator(GroupRecovery):
 
     # --- running -----------------------------------------------------------------------------
     def _handle_reports(self, statuses: list[dict]) -> None:
-        dims = self.layout.dims
+        # The layout that sent them (after a failure, the group is still the old layout's).
+        layout = self.layout or self.previous_layout
+        dims = layout.dims
         for status in statuses:
             notice = status.get("notice")
             if notice and status["state"] != "dead":
@@ -329,18 +339,17 @@ class Coordinator(GroupRecovery):
                         self.recorder.step_samples(report["step"], dims.coords(status["rank"]).dp,
                                                    dims.dp, report["sample_ids"])  # fmt: skip
                     if "loss" in report:
-                        self._on_step(report)
+                        self._on_step(report, layout)
                 elif kind != "stopped":
                     self.tracker.on_report(report)
 
-    def _on_step(self, report: dict) -> None:
-        self.recorder.step_metrics(report, self.layout.dims.world_size, self.layout.describe())
+    def _on_step(self, report: dict, layout) -> None:
+        self.recorder.step_metrics(report, layout.dims.world_size, layout.describe())
         self.bar.update(report["step"] - self.bar.n)
         self.bar.set_postfix(loss=f"{report['loss']:.4f}", tok_s=f"{report['tokens_per_s']:.0f}",
-                             world=self.layout.dims.world_size)  # fmt: skip
+                             world=layout.dims.world_size)  # fmt: skip
         self.step, self.last_progress = report["step"], time.time()
-        if self.failed_step < self.step:
-            self.failures_at_step = 0
+        self.streak.progressed(self.step)
         if self._formation_timer is not None:  # the whole breakdown, first step included
             timer, self._formation_timer = self._formation_timer, None
             self.recorder.event("first_step", step=self.step, **timer.first_step())

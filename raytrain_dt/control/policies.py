@@ -66,6 +66,27 @@ class Observation:
 
 
 @dataclass
+class FailureStreak:
+    """How many times in a row the training itself failed at one step (a rank raised or died
+    on its own, a hang, a NaN): `elastic.max_failures_at_step` ends a run that repeats such a
+    failure. Node losses and preemptions are the cluster's doing, not the step's: they neither
+    count nor break a streak. The coordinator and the simulator both keep one."""
+
+    step: int = -1  # the last completed step when the streak's failures happened
+    count: int = 0
+
+    def failed(self, step: int, training_fault: bool) -> None:
+        if training_fault:
+            self.count = self.count + 1 if step == self.step else 1
+            self.step = step
+
+    def progressed(self, step: int) -> None:
+        """`step` completed: past the failing one, the streak is over."""
+        if step > self.step:
+            self.count = 0
+
+
+@dataclass
 class ElasticPolicy:
     cfg: ElasticConfig
     # Layout for a set of nodes, or None when nothing fits / too few nodes.
@@ -110,10 +131,11 @@ class ElasticPolicy:
             return self._target(obs, "start", checkpoint_first=False)
         if obs.health == "notice" or any(n in obs.draining for n in obs.layout_nodes):
             return self._target(obs, "preemption notice", checkpoint_first=True)
-        # Growth: a better layout on more nodes, once the new capacity has been stable.
+        # Growth: a better layout on more accelerators (more nodes, or a node's replaced
+        # ranks), once the new capacity has been stable.
         usable = self.usable(obs)
         if (
-            len(usable) > len(obs.layout_nodes)
+            sum(n.accelerators for n in usable) > obs.layout.dims.world_size
             and obs.now - obs.nodes_stable_since >= self.cfg.grow_stable_s
         ):
             candidate = self.plan_for(usable)

@@ -6,12 +6,18 @@ groups with it. On a resize the surviving actors are kept (their process group i
 their Python and torch stay loaded), missing ones are created on the nodes the new layout
 uses, and ranks are assigned from the node ids the actors report. This is the only place the
 coordinator touches Ray actors; a dead actor shows up in `poll` at once as state "dead".
+
+Starting an actor (a process that imports torch) takes seconds, so actors can also be warmed
+ahead of need (`warm`: a replacement for a dead rank, the ranks of a node that just joined)
+while the group trains; once started they wait `idle`, as do survivors a smaller layout left
+out, until a formation takes them.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from dataclasses import dataclass
 
 from raytrain_dt.control.placement import assign_ranks
@@ -40,6 +46,18 @@ class NodeReservation:
     size: int
 
 
+@dataclass
+class StartingActor:
+    """An actor created ahead of need, until its `where` answers (it has imported torch)."""
+
+    handle: object
+    where: object  # the ObjectRef of its `where` call
+    node_id: str
+    pg: object
+    bundle_index: int
+    since: float
+
+
 class RankGroup:
     def __init__(
         self, run_dir: str, resource: str, cpus_per_rank: float, runtime_env: dict | None = None
@@ -49,6 +67,8 @@ class RankGroup:
         self.cpus_per_rank = cpus_per_rank
         self.runtime_env = runtime_env or {}
         self.slots: list[ActorSlot] = []  # ordered by rank once `form` has run
+        self.idle: list[ActorSlot] = []  # started, in no layout
+        self.starting: list[StartingActor] = []
         self.reservations: list[NodeReservation] = []
         self._next_index = 0
 
@@ -67,17 +87,23 @@ class RankGroup:
         return {k: v for k, v in bundle.items() if v}
 
     def _free_bundles(self, node_id: str) -> list[tuple[object, int]]:
-        used = {(id(s.pg), s.bundle_index) for s in self.slots}
+        used = {(id(s.pg), s.bundle_index) for s in [*self.slots, *self.idle, *self.starting]}
         return [(r.pg, i) for r in self.reservations if r.node_id == node_id
                 for i in range(r.size) if (id(r.pg), i) not in used]  # fmt: skip
 
-    def _reserve(self, node_id: str, count: int, timeout_s: float) -> NodeReservation:
+    def _reserve(self, node_id: str, count: int, timeout_s: float | None) -> NodeReservation:
+        """Reserve `count` bundles on the node; waits until they are granted unless
+        `timeout_s` is None (actors placed in it start once it is)."""
         import ray
         from ray.util.placement_group import placement_group
 
         pg = placement_group(
             [self._bundle()] * count, strategy="STRICT_PACK", _soft_target_node_id=node_id
         )
+        if timeout_s is None:
+            reservation = NodeReservation(pg, node_id, count)
+            self.reservations.append(reservation)
+            return reservation
         try:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
@@ -90,7 +116,8 @@ class RankGroup:
         self.reservations.append(reservation)
         return reservation
 
-    def _create_on_node(self, node_id: str, count: int, timeout_s: float) -> list[ActorSlot]:
+    def _start_on_node(self, node_id: str, count: int,
+                       timeout_s: float | None) -> list[StartingActor]:  # fmt: skip
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -101,25 +128,82 @@ class RankGroup:
             reservation = self._reserve(node_id, count - len(places), timeout_s)
             places += [(reservation.pg, i) for i in range(reservation.size)]
         actor_cls = ray.remote(RankWorker)
-        handles = []
+        started = []
         for pg, bundle_index in places:
-            handles.append(actor_cls.options(
+            handle = actor_cls.options(
                 **self._actor_options(),
                 runtime_env=self.runtime_env or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle_index
                 ),
-            ).remote(self.run_dir, self._next_index))  # fmt: skip
+            ).remote(self.run_dir, self._next_index)  # fmt: skip
             self._next_index += 1
-        reports = ray.get([h.where.remote() for h in handles])
-        return [ActorSlot(h, r["node_id"], r["actor_index"], r["ip"], pg, b, r["pid"])
-                for h, r, (pg, b) in zip(handles, reports, places)]  # fmt: skip
+            started.append(StartingActor(handle, handle.where.remote(), node_id, pg,
+                                         bundle_index, time.time()))  # fmt: skip
+        return started
+
+    def _create_on_node(self, node_id: str, count: int, timeout_s: float) -> list[ActorSlot]:
+        import ray
+
+        started = self._start_on_node(node_id, count, timeout_s)
+        reports = ray.get([a.where for a in started])
+        return [_started_slot(a, r) for a, r in zip(started, reports)]
+
+    # --- actors warmed ahead of need ---------------------------------------------------------
+    def warm(self, node_id: str, count: int) -> None:
+        """Start `count` more actors on the node in the background (see the module's doc)."""
+        self.starting += self._start_on_node(node_id, count, timeout_s=None)
+        log.info("warming %d actors on node %s", count, node_id[:12])
+
+    def collect_warm(self, timeout_s: float = 0.0, give_up_s: float = 300.0) -> None:
+        """Move started actors to `idle` (waiting up to `timeout_s` for all of them); forget
+        those that died, or that could not be placed in `give_up_s` (node gone or full)."""
+        import ray
+
+        if not self.starting:
+            return
+        refs = [a.where for a in self.starting]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        still, failed = [], []
+        for actor in self.starting:
+            if not any(actor.where is r for r in ready):
+                (failed if time.time() - actor.since > give_up_s else still).append(actor)
+                continue
+            try:
+                self.idle.append(_started_slot(actor, ray.get(actor.where)))
+            except Exception as exc:  # died while starting (with its node, most likely)
+                log.warning("an actor warming on node %s died: %s", actor.node_id[:12], exc)
+                failed.append(actor)
+        self.starting = still
+        self._release(failed)
+
+    def actors_on(self, node_id: str) -> int:
+        """Actors on the node: in the layout, idle or starting."""
+        return sum(a.node_id == node_id for a in [*self.slots, *self.idle, *self.starting])
+
+    def starting_on(self, node_id: str) -> int:
+        return sum(a.node_id == node_id for a in self.starting)
+
+    def actor_count(self) -> int:
+        return len(self.slots) + len(self.idle) + len(self.starting)
+
+    def drop_spares(self, node_ids: set[str]) -> None:
+        """Let idle and starting actors on these nodes go (lost, or under notice)."""
+        doomed = [a for a in [*self.idle, *self.starting] if a.node_id in node_ids]
+        if doomed:
+            self.idle = [a for a in self.idle if a not in doomed]
+            self.starting = [a for a in self.starting if a not in doomed]
+            self._release(doomed)
 
     def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
         """Have exactly counts_by_node[node] actors on each node: keep survivors, create the
         missing ones, release the rest. Then order slots by rank."""
+        if any(
+            count > self.actors_on(n) - self.starting_on(n) for n, count in counts_by_node.items()
+        ):
+            self.collect_warm(timeout_s)  # actors the layout needs are still starting
         keep: list[ActorSlot] = []
-        spare = list(self.slots)
+        spare = [*self.slots, *self.idle]
         for node_id, count in counts_by_node.items():
             here = [s for s in spare if s.node_id == node_id][:count]
             for slot in here:
@@ -130,8 +214,10 @@ class RankGroup:
         reports = [{"node_id": s.node_id, "actor_index": s.actor_index} for s in keep]
         ranks = assign_ranks(reports)
         self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]
-        self._release(spare)
-        log.info("rank group: %s", {n[:12]: c for n, c in counts_by_node.items()})
+        self.idle = spare  # healthy and started: kept for a later, larger layout
+        log.info("rank group: %s (idle: %d, starting: %d)",
+                 {n[:12]: c for n, c in counts_by_node.items()}, len(self.idle),
+                 len(self.starting))  # fmt: skip
 
     # --- calls -------------------------------------------------------------------------------
     @property
@@ -172,12 +258,12 @@ class RankGroup:
                                  "node_id": self.slots[rank].node_id})  # fmt: skip
         return statuses
 
-    def try_call(self, method: str, timeout_s: float = 30.0) -> list[int]:
-        """Call `method` on every rank, tolerating dead ones; returns the ranks that failed
-        (raised, timed out, or answered False)."""
+    def try_call(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
+        """Call `method(*args)` on every rank, tolerating dead ones; returns the ranks that
+        failed (raised, timed out, or answered False)."""
         import ray
 
-        refs = [getattr(slot.handle, method).remote() for slot in self.slots]
+        refs = [getattr(slot.handle, method).remote(*args) for slot in self.slots]
         failed = []
         for rank, ref in enumerate(refs):
             try:
@@ -200,12 +286,18 @@ class RankGroup:
         for slot in slots:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(slot.handle)
-        still_used = {id(s.pg) for s in self.slots}
+        still_used = {id(s.pg) for s in [*self.slots, *self.idle, *self.starting]}
         for reservation in [r for r in self.reservations if id(r.pg) not in still_used]:
             self.reservations.remove(reservation)
             with contextlib.suppress(Exception):
                 ray.util.remove_placement_group(reservation.pg)
 
     def shutdown(self) -> None:
-        slots, self.slots = self.slots, []
-        self._release(slots)
+        actors = [*self.slots, *self.idle, *self.starting]
+        self.slots, self.idle, self.starting = [], [], []
+        self._release(actors)
+
+
+def _started_slot(actor: StartingActor, where: dict) -> ActorSlot:
+    return ActorSlot(actor.handle, where["node_id"], where["actor_index"], where["ip"], actor.pg,
+                     actor.bundle_index, where["pid"])  # fmt: skip

@@ -11,9 +11,11 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import replace
 
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
+from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.control.policies import Resize
 from raytrain_dt.control.recovery_timing import RecoveryTimer
@@ -30,6 +32,7 @@ from raytrain_dt.control.states import (
 log = logging.getLogger("raytrain_dt.control.coordinator")
 
 POLL_INTERVAL_S = 0.1
+FAILED_TEARDOWN_GRACE_S = 0.2
 CHAOS_ARRIVAL_WAIT_S = 30.0
 
 
@@ -39,17 +42,20 @@ class GroupRecovery:
         decision = state.decision
         started = time.perf_counter()
         old = self.layout or self.previous_layout
-        if self.group.slots:
-            broken = self.group.try_call("teardown", timeout_s=30)
-            self.group.drop(broken)  # hung or dead actors cannot be reused
+        if self.group.slots and not self.group_left:
+            self._leave_layout()
         resume, resume_step = self._resume_point()
         self.recorder.rewind(resume_step)
-        self.chaos.fired.update(
-            i for i, a in enumerate(self.chaos.actions) if a.at_step <= resume_step
-        )
+        # Rank faults before the resume point are past; node actions fire when the driver
+        # reaches them (they may have waited for an arrival to be in use).
+        self.chaos.mark_rank_faults_fired(resume_step)
         nodes = {n.node_id: n.accelerators for n in self._observe("ok").nodes}
-        counts = counts_by_node(decision.layout.dims.world_size, decision.layout.dims.tp,
-                                [(n, nodes[n]) for n in decision.nodes if n in nodes])  # fmt: skip
+        try:
+            counts = counts_by_node(decision.layout.dims.world_size, decision.layout.dims.tp,
+                                    [(n, nodes[n]) for n in decision.nodes if n in nodes])  # fmt: skip
+        except ValueError:  # capacity went since the decision (a node, an actor): re-plan
+            log.warning("no room for %s any more: re-planning", decision.layout.describe())
+            return self._decide(self._observe("failed" if isinstance(state, Restarting) else "ok"))
         self.group.form(counts, self.cfg.cluster.placement_timeout_s)
         formed = time.perf_counter()
         cfg = replace(self.cfg, chaos=self.chaos.remaining())
@@ -62,7 +68,7 @@ class GroupRecovery:
         self.bar.n = resume_step
         self.tracker = CheckpointTracker(self.store, decision.layout.dims.world_size, self.recorder,
                                          self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)  # fmt: skip
-        self.last_progress = time.time()
+        self.last_progress = self.last_formed_at = time.time()
         self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
                              "setup_s": time.perf_counter() - formed, "ranks": setup})  # fmt: skip
         (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
@@ -81,7 +87,54 @@ class GroupRecovery:
         # The next incident is timed afresh; this one's clock runs on to the first step.
         self._formation_timer, self.recovery = self.recovery, RecoveryTimer()
         self.group.call("start")  # after the event: no step may precede its formation's record
+        self.group_left = False
         return Running()
+
+    def _leave_layout(self, grace_s: float = 2.0) -> None:
+        """Tear the group's actors down (they stay for the next layout), collect the reports
+        of saves that finished meanwhile (they decide what is committed), and let go of the
+        actors that cannot be reused (hung or dead). `grace_s`: how long a rank's loop may
+        take to end (a healthy one: to its next step boundary)."""
+        broken = self.group.try_call("teardown", timeout_s=30, args=(grace_s,))
+        self._handle_reports(self.group.poll())
+        self.group.drop(broken)
+        self.group_left = True
+
+    def _warm_capacity(self, nodes: tuple[NodeInfo, ...],
+                       draining: frozenset[str]) -> tuple[NodeInfo, ...]:  # fmt: skip
+        """Start actors ahead of need where a node has room for more than the group has
+        there (a dead rank's replacement, a node that joined), up to the ranks the run can
+        use; and show the policy only capacity with started actors. So a failure re-forms at
+        once on the survivors, an arrival is planned for once its actors have imported torch,
+        and either grows the group through the normal grow path (a just-in-time checkpoint at
+        a step boundary) once the new actors are warm: all of them, so that it grows once
+        (while a group runs, the policy sees only its ranks until then; after a failure, a
+        node without survivors shows once its actors are all up)."""
+        if not self.formed:
+            return nodes  # the first formation starts its actors itself
+        self.group.drop_spares({a.node_id for a in [*self.group.idle, *self.group.starting]}
+                               - {n.node_id for n in nodes})  # fmt: skip
+        self.group.collect_warm()
+        usable = [n for n in nodes if n.node_id not in draining]
+        budget = self.cfg.cluster.num_ranks or sum(n.accelerators for n in usable)
+        budget -= self.group.actor_count()
+        for node in usable:
+            room = min(node.accelerators - self.group.actors_on(node.node_id), budget)
+            if room > 0:
+                self.group.warm(node.node_id, room)
+                budget -= room
+        if not (self.group.slots or self.group.idle):
+            return nodes  # nothing else could train sooner: the formation waits for them
+        if self.group.starting and self.layout is not None:
+            # A running group grows once every actor being started is up: one resize.
+            ranks = Counter(s.node_id for s in self.group.slots)
+            return tuple(
+                replace(n, accelerators=ranks[n.node_id]) for n in nodes if ranks[n.node_id]
+            )
+        survivors = {s.node_id for s in self.group.slots}
+        shown = [replace(n, accelerators=n.accelerators - self.group.starting_on(n.node_id))
+                 for n in nodes if n.node_id in survivors or not self.group.starting_on(n.node_id)]  # fmt: skip
+        return tuple(n for n in shown if n.accelerators > 0)
 
     @property
     def _failure_step(self) -> int:
@@ -89,27 +142,36 @@ class GroupRecovery:
 
     def _on_failure(self, health: str, broken: list[dict]) -> State:
         self.recovery.cause(self._last_healthy)
+        self._shrunk_at = self._last_healthy
         if health == "failed":
             broken = self._settle(broken)
         errors = {s["rank"]: (s.get("error") or s["state"]).strip().splitlines()[0] for s in broken}
         # Actors that died with their node mark the node lost before Ray's health check does.
-        self.lost_nodes |= lost_with_node(broken, [s.node_id for s in self.group.slots])
+        lost = lost_with_node(broken, [s.node_id for s in self.group.slots])
+        lost |= set(self.layout_nodes) - {n.node_id for n in self.cluster.nodes()}
+        self.lost_nodes |= lost
         self.recorder.event("failure", health=health, step=self.step, ranks=errors)
         log.warning("ranks %s %s at step %d: %s", sorted(errors), health, self.step + 1, errors)
-        self.failures_at_step = self.failures_at_step + 1 if self.failed_step == self.step else 1
+        # A lost node is not the step's fault: only the training's own failures repeat.
+        self.streak.failed(self.step, training_fault=not lost)
         self.failed_step = self.step
         self.restarts += 1
         self.chaos.mark_rank_faults_fired(self.step + 1)
         if health == "hung":  # threads stuck in a collective cannot be reused: replace all
             self.group.drop(list(range(self.group.world_size)))
-        else:  # dead ones go; survivors are torn down and reused by the next formation
+        else:  # dead ones go; survivors are torn down now, so the plan counts only reusable ones
             self.group.drop([s["rank"] for s in broken if s["state"] != "failed"])
+            # A survivor still "running" once the failure has settled is stuck in a collective
+            # with a failed peer (gloo waits out its timeout): no use waiting for its loop. Its
+            # teardown still lets its save in flight finish, then it is replaced (in the
+            # background).
+            self._leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S)
         # No group trains now: the policy plans from scratch (and Waiting cannot mistake an
         # idle group for a finished one).
         self.previous_layout, self.layout, self.layout_nodes = self.layout, None, ()
         return self._decide(self._observe(health))
 
-    def _settle(self, broken: list[dict], wait_s: float = 5.0, quiet_s: float = 1.0) -> list[dict]:
+    def _settle(self, broken: list[dict], wait_s: float = 5.0, quiet_s: float = 0.5) -> list[dict]:
         """When one rank fails, its peers fail or die within moments (a lost node's ranks die
         together). Collect them before deciding, so the plan excludes every lost node: until
         no rank runs, or nothing changed for `quiet_s` (a peer stuck in a collective with the
@@ -154,6 +216,7 @@ class GroupRecovery:
         # Ranks on nodes under notice are not reused: let them go while their node still
         # answers (tearing down actors of a node being reclaimed waits on Ray's death notice).
         self.group.drop([r for r, s in enumerate(self.group.slots) if s.node_id in self.draining])
+        self.group.drop_spares(self.draining)
         for node, index in self.preempting.items():  # the notice has been served: reclaim the node
             self.chaos.fired.add(index)
             self.chaos.kill_node(node)
@@ -177,6 +240,11 @@ class GroupRecovery:
         if (
             self.chaos.arrived not in (None, *self.layout_nodes)
             and time.time() - self.chaos.arrived_at < CHAOS_ARRIVAL_WAIT_S
+        ):
+            return
+        # Nor while actors are warmed for a grow back after a rank failure.
+        if (self.group.starting or self.group.idle) and (
+            time.time() - self.last_formed_at < CHAOS_ARRIVAL_WAIT_S
         ):
             return
         for i, action in self.chaos.due_node_actions(self.step):

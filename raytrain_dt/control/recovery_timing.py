@@ -1,11 +1,12 @@
 """Where the seconds of one (re)formation go, from the event that caused it to the first step
 trained at the new layout: detection, re-plan, just-in-time checkpoint (drain), process-group
-re-form, checkpoint load, data start, first step. The coordinator reports them in the `resize`
-event of `events.jsonl`; `bench/bench_elastic.py` reads them from there.
+re-form, checkpoint load, warm-up, data start, first step. The coordinator reports them in the
+`resize` event of `events.jsonl`; `bench/bench_elastic.py` reads them from there.
 
 The clock starts at the cause: the last poll that found every rank healthy (a failure), the
 notice (a preemption), or the moment new nodes appeared (growth, including the
-`elastic.grow_stable_s` hysteresis).
+`elastic.grow_stable_s` hysteresis; a grow back onto a dead rank's replacement counts from the
+failure).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ class RecoveryTimer:
             reform_s=group_s + slowest("process_group_s"),
             model_build_s=slowest("model_build_s"),
             checkpoint_load_s=slowest("checkpoint_load_s"),
+            # The first step's one-time costs, paid before it (`RankWorker._build`).
+            warm_up_s=slowest("warm_up_s"),
             # The first steps' input is read in-process; Ray Data starts behind them.
             data_start_s=slowest("data_start_s"),
         )

@@ -19,7 +19,8 @@ from raytrain_dt.errors import PlanningError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.models.spec import ModelSpec, model_spec
 from raytrain_dt.topology.layout import Layout, Topology
-from raytrain_dt.topology.planner import LayoutPins, Plan, plan
+from raytrain_dt.topology.pins import LayoutPins
+from raytrain_dt.topology.planner import Plan, plan
 from raytrain_dt.worker.device import resolve_precision
 from raytrain_dt.worker.spec import RankSpec
 
@@ -116,6 +117,7 @@ def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: Tok
             dataset=dataset, shuffle_seed=cfg.data.shuffle_seed, consumed_samples=consumed,
             num_steps=cfg.trainer.steps - start_step, global_batch=layout.global_batch,
             dp=layout.dims.dp, dp_rank=layout.dims.coords(rank).dp, micro_batch=layout.micro_batch,
+            slots=layout.micro_batch * layout.grad_accum,
         )  # fmt: skip
         specs.append(RankSpec(
             rank=rank, layout=layout, master_addr=master[0], master_port=master[1], cfg=cfg,

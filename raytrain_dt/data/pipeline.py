@@ -3,7 +3,9 @@
 Each DP rank gets its own streaming Ray Data pipeline over exactly the positions it must read
 (see `data.order`). Ray Data does the reading in its own tasks and prefetches, so the train
 step only pops ready micro-batches. Order is preserved, which the exactly-once guarantee needs.
-TP and PP peers of one DP rank build identical pipelines and so see identical batches.
+TP and PP peers of one DP rank build identical pipelines and so see identical batches. Each row
+carries `real`: False for a padding row of a layout whose DP degree does not divide the global
+batch (see `data.order.rank_rows`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from raytrain_dt.data.order import rank_positions, sample_ids
+from raytrain_dt.data.order import rank_rows, sample_ids
 from raytrain_dt.data.source import TokenDataset
 
 
@@ -29,29 +31,39 @@ class DataSlice:
     dp: int
     dp_rank: int
     micro_batch: int
+    # Rows per step (the layout's micro_batch * grad_accum); 0: global_batch / dp, no padding.
+    slots: int = 0
+
+    @property
+    def rows_per_step(self) -> int:
+        return self.slots or -(-self.global_batch // self.dp)
 
     @property
     def num_rows(self) -> int:
-        return self.num_steps * (self.global_batch // self.dp)
+        return self.num_steps * self.rows_per_step
+
+    def rows(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(global positions, real) of this rank's rows [start, stop) (all rows by default)."""
+        steps = -(-(self.num_rows if stop is None else stop) // self.rows_per_step)
+        positions, real = rank_rows(self.consumed_samples, steps, self.global_batch, self.dp,
+                                    self.dp_rank, self.rows_per_step)  # fmt: skip
+        return positions[start:stop], real[start:stop]
 
     def positions(self, start: int = 0, stop: int | None = None) -> np.ndarray:
         """Global positions of this rank's rows [start, stop) (all rows by default)."""
-        steps = -(-(self.num_rows if stop is None else stop) // (self.global_batch // self.dp))
-        every = rank_positions(
-            self.consumed_samples, steps, self.global_batch, self.dp, self.dp_rank
-        )
-        return every[start:stop]
+        return self.rows(start, stop)[0]
 
 
 def _fetch(batch: dict[str, np.ndarray], data: DataSlice) -> dict[str, np.ndarray]:
     rows = batch["id"]
-    positions = data.positions(int(rows[0]), int(rows[-1]) + 1)
+    positions, real = data.rows(int(rows[0]), int(rows[-1]) + 1)
     ids = sample_ids(positions, data.dataset.num_samples, data.shuffle_seed)
-    return {"position": positions, "sample_id": ids, "tokens": data.dataset.read(ids)}
+    return {"position": positions, "sample_id": ids, "tokens": data.dataset.read(ids), "real": real}
 
 
 def iterate_micro_batches(data: DataSlice, prefetch_batches: int) -> Iterator[dict]:
-    """Yield {'position', 'sample_id', 'tokens'} torch batches of `micro_batch` rows, in order."""
+    """Yield {'position', 'sample_id', 'tokens', 'real'} torch batches of `micro_batch` rows, in
+    order."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()

@@ -22,7 +22,11 @@ class StepResult:
 
 
 class Engine(Protocol):
-    def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult: ...
+    def train_step(
+        self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
+    ) -> StepResult:
+        """One optimizer step over `micro_batches`; `real` marks each one's real rows, which
+        a padded layout needs (`engines.micro_loss`)."""
 
     def save(self, checkpoint_dir: str) -> None:
         """Write model and optimizer shards (collective: every rank calls it)."""

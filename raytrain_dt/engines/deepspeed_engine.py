@@ -1,4 +1,5 @@
-"""DeepSpeed engine: ZeRO stage 0-3 data parallelism behind the Engine protocol.
+"""DeepSpeed engine: ZeRO stage 0-3 data parallelism behind the Engine protocol (ZeRO-1 with
+pipeline stages: `deepspeed_pipeline`, which reuses this engine's state and checkpoints).
 
 The model is wrapped by `deepspeed.initialize` with our own AdamW (`engines.optim`, same param
 groups as FSDP2 and the reference) as a client optimizer, and a config generated from ours by
@@ -7,8 +8,8 @@ gradient accumulation (loss scaled by 1/GAS, gradients reduced only at the bound
 and the optimizer step; we set the learning rate every step from `lr_at`.
 
 Checkpoints are DeepSpeed's own format under `<step dir>/ds`. A checkpoint written at another
-DP size is converted once to a universal checkpoint (`<step dir>/ds_universal`) and loaded
-from there.
+DP size or pipeline split is converted once to a universal checkpoint (`<step dir>/ds_universal`,
+see `deepspeed_files`) and loaded from there.
 """
 
 from __future__ import annotations
@@ -16,23 +17,24 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
-from raytrain_dt.engines.optim import build_adamw, set_lr
-from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.engines.deepspeed_files import saved_layout, to_universal
+from raytrain_dt.engines.micro_loss import micro_step_loss
+from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.spec import ModelSpec, llama_spec
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
-from raytrain_dt.topology.planner import engine_refusal
+from raytrain_dt.topology.pins import engine_refusal
 from raytrain_dt.worker.device import DeviceSpec
 
 log = logging.getLogger("raytrain_dt.deepspeed")
@@ -72,7 +74,8 @@ def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> di
     if layout.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": device.pin_memory}
     config: dict = {
-        "train_batch_size": layout.global_batch,
+        # Rows per step, padding included (DeepSpeed checks micro x GAS x DP against it).
+        "train_batch_size": layout.batch_slots,
         "train_micro_batch_size_per_gpu": layout.micro_batch,
         "gradient_accumulation_steps": layout.grad_accum,
         # DeepSpeed's default is 1.0; 0 must mean "no clipping" as in our config.
@@ -131,6 +134,13 @@ def initialize_deepspeed(
         _skip_shm_comm()
     # The actor initialised torch.distributed; this only wraps the existing default group.
     deepspeed.init_distributed(dist_backend=device.backend, dist_init_required=False)
+    # DeepSpeed keeps its parallel groups in module globals and replaces the `mpu` only when
+    # given one: an engine built earlier in this process (an actor reused for another layout)
+    # would leave its groups, of a destroyed process group, in force.
+    from deepspeed.utils import groups
+
+    groups.mpu = mpu
+    groups._WORLD_GROUP = None
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_adamw(model, cfg.trainer),
@@ -165,25 +175,22 @@ class DeepSpeedEngine:
         self.engine, self.optimizer = initialize_deepspeed(model, cfg, self.ds_config, device)
         self._dp_group = mesh["dp"].get_group()
 
-    def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult:
+    def train_step(
+        self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
+    ) -> StepResult:
+        """One optimizer step; `real` marks each micro-batch's real rows (needed when the
+        layout pads, see `engines.micro_loss`)."""
         t = self.cfg.trainer
-        lr = lr_at(
-            step,
-            lr=t.lr,
-            warmup_steps=t.warmup_steps,
-            total_steps=t.steps,
-            min_lr_ratio=t.min_lr_ratio,
-        )
-        set_lr(self.optimizer, lr)
+        lr = apply_lr_schedule(self.optimizer, t, step)
         if len(micro_batches) != self.engine.gradient_accumulation_steps():
             raise ValueError(
                 f"got {len(micro_batches)} micro-batches, DeepSpeed was configured for "
                 f"{self.engine.gradient_accumulation_steps()}"
             )
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for tokens in micro_batches:
+        for tokens, rows in zip(micro_batches, real or [None] * len(micro_batches), strict=True):
             tokens = tokens.to(self.engine.device)
-            loss = self._loss(self.engine(tokens), tokens)
+            loss = micro_step_loss(self._loss, self.engine(tokens), tokens, rows, self.layout)
             # Scales by 1/GAS and reduces gradients only at the accumulation boundary.
             self.engine.backward(loss)
             if self.engine.is_gradient_accumulation_boundary() and self.layout.zero_stage == 0:
@@ -196,8 +203,8 @@ class DeepSpeedEngine:
             loss_sum += loss.detach().double().cpu()
         norm = self.engine.get_global_grad_norm()
         grad_norm = self._stage0_norm if self.layout.zero_stage == 0 else float(norm)
-        # Every micro-batch has the same number of tokens, so the global-batch mean is the mean
-        # of the per-rank means over DP.
+        # Every micro-batch has the same number of tokens (padding weighted as in
+        # `micro_step_loss`), so the global-batch mean is the mean of the per-rank means over DP.
         global_loss = loss_sum / len(micro_batches)
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
         return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
@@ -209,8 +216,8 @@ class DeepSpeedEngine:
 
     def load(self, checkpoint_dir: str) -> None:
         path = _local_path(checkpoint_dir)
-        saved = _saved_layout(path / TAG)
-        current = (self.layout.dims.dp, self.layout.zero_stage == 3)
+        saved = saved_layout(path / TAG)
+        current = (self.layout.dims.dp, self.layout.zero_stage == 3, self.layout.dims.pp)
         tag = TAG
         if saved is None and self.layout.zero_stage != 0 and (path / TAG).is_dir():
             raise ValueError(
@@ -232,12 +239,13 @@ class DeepSpeedEngine:
                     f"zero_stage {'3' if saved[1] else '1 or 2'} (switching across ZeRO-3 is "
                     "not supported in this version)"
                 )
-            # Another DP size: DeepSpeed's own loader refuses it; the universal format is
-            # layout-free. Converted once, by rank 0, next to the original.
-            log.info("resharding %s: DP %d -> %d", checkpoint_dir, saved[0], current[0])
+            # Another DP size or pipeline split: DeepSpeed's own loader refuses it; the
+            # universal format is layout-free. Converted once, by rank 0, next to the original.
+            log.info("resharding %s: DP %d -> %d, pp %d -> %d", checkpoint_dir, saved[0],
+                     current[0], saved[2], current[2])  # fmt: skip
             tag = UNIVERSAL_TAG
             if dist.get_rank() == 0 and not (path / tag).is_dir():
-                _to_universal(path)
+                to_universal(path / TAG, path / UNIVERSAL_TAG)
             dist.barrier()
             # Consulted only inside load_checkpoint (by the engine and the ZeRO optimizer).
             self.engine._config.load_universal_checkpoint = True
@@ -247,7 +255,13 @@ class DeepSpeedEngine:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         try:
             loaded, _ = self.engine.load_checkpoint(
-                str(path), tag=tag, load_optimizer_states=True, load_lr_scheduler_states=False
+                str(path),
+                tag=tag,
+                load_optimizer_states=True,
+                load_lr_scheduler_states=False,
+                # A universal checkpoint's model states hold the whole model, a pipeline stage
+                # only its part (its weights come from the per-parameter files either way).
+                load_module_strict=tag == TAG or self.layout.dims.pp == 1,
             )
         finally:
             self.engine._config.load_universal_checkpoint = False
@@ -271,7 +285,9 @@ class DeepSpeedEngine:
         for name in self._names:
             full = safe_get_full_fp32_param(params[name])
             # Stage 0 keeps no separate master copy: the module's parameter is it.
-            out[name] = (params[name] if full is None else full).detach().float().cpu().clone()
+            value = (params[name] if full is None else full).detach().float().cpu().clone()
+            # The model's own names, as its state_dict gives them under activation checkpointing.
+            out[name.replace(_CHECKPOINT_PREFIX, "")] = value
         return out
 
 
@@ -281,30 +297,3 @@ def _local_path(uri: str) -> Path:
         # DeepSpeed reads and writes its files with torch.save/load on a local path.
         raise ValueError(f"checkpoint.dir: engine.name=deepspeed needs a local path, got {uri}")
     return Path(loc.path)
-
-
-def _saved_layout(tag_dir: Path) -> tuple[int, bool] | None:
-    """(DP size, is ZeRO-3) a checkpoint was written with; None for ZeRO-0 (replicated states
-    load at any DP size). Read from DeepSpeed's file names: one optimizer partition per DP rank,
-    and per-rank model-state files only under ZeRO-3."""
-    partitions = list(tag_dir.glob("*_optim_states.pt"))
-    if not partitions:
-        return None
-    return len(partitions), any(tag_dir.glob("zero_pp_rank_*_model_states.pt"))
-
-
-def _to_universal(checkpoint_dir: Path) -> None:
-    from deepspeed.checkpoint import ds_to_universal
-
-    log.info("converting %s to a universal checkpoint", checkpoint_dir / TAG)
-    args = SimpleNamespace(
-        input_folder=str(checkpoint_dir / TAG),
-        output_folder=str(checkpoint_dir / UNIVERSAL_TAG),
-        num_extract_workers=1,
-        num_merge_workers=1,
-        keep_temp_folder=False,
-        strict=True,
-        # ZeRO-1/2 checkpoints lack state the converter expects; ZeRO-3 ones have it.
-        inject_missing_state=True,
-    )
-    ds_to_universal.main(args)

@@ -25,6 +25,10 @@ def build_engine(
         from raytrain_dt.engines.fsdp2 import FSDP2Engine
 
         return FSDP2Engine(model, cfg, layout, mesh, device, spec)
+    if cfg.engine.name == "deepspeed" and layout.dims.pp_enabled:
+        from raytrain_dt.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
+
+        return DeepSpeedPipelineEngine(model, cfg, layout, mesh, device, spec)
     if cfg.engine.name == "deepspeed":
         from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
 

@@ -38,8 +38,8 @@ from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
-from raytrain_dt.engines.optim import build_adamw, set_lr
-from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.engines.micro_loss import micro_step_loss
+from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.models.spec import ModelSpec, llama_spec
 from raytrain_dt.parallel.pipeline import Pipeline, StageUnion, gather_stage_dicts, split_model
 from raytrain_dt.parallel.tensor_parallel import loss_context
@@ -82,6 +82,8 @@ class FSDP2Engine:
         self.pipeline: Pipeline | None = None
         self._pp_group = None
         if layout.dims.pp_enabled:
+            if layout.padded_slots:
+                raise ValueError(f"{layout.describe()}: pipeline stages need an exact global batch")
             pp_mesh = mesh["pp"]
             self._pp_group = pp_mesh.get_group()
             parts = split_model(model, layout, pp_mesh.get_local_rank(), self.spec)
@@ -130,38 +132,35 @@ class FSDP2Engine:
             return tokens.to(self.device.device(torch.cuda.current_device()), non_blocking=True)
         return tokens
 
-    def train_step(self, micro_batches: list[torch.Tensor], step: int) -> StepResult:
+    def train_step(
+        self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
+    ) -> StepResult:
+        """One optimizer step; `real` marks each micro-batch's real rows (needed when the
+        layout pads, see `engines.micro_loss`)."""
         t = self.cfg.trainer
-        lr = lr_at(
-            step,
-            lr=t.lr,
-            warmup_steps=t.warmup_steps,
-            total_steps=t.steps,
-            min_lr_ratio=t.min_lr_ratio,
-        )
-        set_lr(self.optimizer, lr)
+        lr = apply_lr_schedule(self.optimizer, t, step)
         if self.pipeline is not None:
             global_loss = self._pipeline_micro_steps(micro_batches)
         else:
-            global_loss = self._micro_steps(micro_batches)
+            global_loss = self._micro_steps(micro_batches, real or [None] * len(micro_batches))
         grad_norm = clip_gradients(self.model.parameters(), t.grad_clip, self._pp_group)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        # Every micro-batch has the same number of tokens, so the global-batch mean is the
-        # mean of the per-rank means over DP.
+        # Every micro-batch has the same number of tokens (padding weighted as in
+        # `micro_step_loss`), so the global-batch mean is the mean of the per-rank means over DP.
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
         return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
 
-    def _micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
+    def _micro_steps(self, micro_batches: list[torch.Tensor], real: list) -> torch.Tensor:
         """Forward/backward per micro-batch; this rank's mean loss."""
         accum = len(micro_batches)
         loss_sum = torch.zeros((), dtype=torch.float64)
-        for i, tokens in enumerate(micro_batches):
+        for i, (tokens, rows) in enumerate(zip(micro_batches, real, strict=True)):
             last = i == accum - 1
             self.model.set_requires_gradient_sync(last or not self.layout.grad_sync_deferred)
             tokens = self._to_device(tokens)
             with loss_context(self.layout.dims.tp_enabled):
-                loss = self._loss(self.model(tokens), tokens)
+                loss = micro_step_loss(self._loss, self.model(tokens), tokens, rows, self.layout)
                 (loss / accum).backward()
             loss_sum += loss.detach().double().cpu()
         return loss_sum / accum
@@ -247,6 +246,16 @@ class FSDP2Engine:
         if self._pp_group is None:
             return local
         return gather_stage_dicts(local, self._pp_group)
+
+    def warm_up(self) -> None:
+        """Clip zero gradients once (collective; changes no state), so DTensor has computed
+        the shardings of the step's foreach ops before the first step (seconds on CPU). The
+        optimizer's own ops are computed by a checkpoint load, which initializes its state."""
+        for param in self.model.parameters():
+            if param.requires_grad:
+                param.grad = torch.zeros_like(param)
+        clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip, self._pp_group)
+        self.optimizer.zero_grad(set_to_none=True)
 
 
 def clip_gradients(parameters, max_norm: float, pp_group=None) -> float:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from raytrain_dt.config.schema import TrainerConfig
+from raytrain_dt.engines.schedule import lr_at
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -37,3 +38,11 @@ def build_adamw(model: nn.Module, trainer: TrainerConfig) -> torch.optim.AdamW:
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
     for group in optimizer.param_groups:
         group["lr"] = lr
+
+
+def apply_lr_schedule(optimizer: torch.optim.Optimizer, trainer: TrainerConfig, step: int) -> float:
+    """Set the scheduled LR of optimizer step `step` (0-based) on `optimizer`; returns it."""
+    lr = lr_at(step, lr=trainer.lr, warmup_steps=trainer.warmup_steps, total_steps=trainer.steps,
+               min_lr_ratio=trainer.min_lr_ratio)  # fmt: skip
+    set_lr(optimizer, lr)
+    return lr

@@ -210,6 +210,17 @@ class Pipeline:
         return torch.stack([loss.detach().double() for loss in losses]).sum().cpu()
 
 
+def shared_pipeline_loss(
+    pipeline: Pipeline, micro_batches: list[torch.Tensor], pp_group: dist.ProcessGroup
+) -> torch.Tensor:
+    """One schedule step; its mean loss (float64), known on every stage (collective over pp:
+    only the last stage computes it)."""
+    local = pipeline.step(micro_batches)
+    loss = torch.zeros((), dtype=torch.float64) if local is None else local
+    dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=pp_group)
+    return loss
+
+
 class StageUnion(nn.Module):
     """The stages a rank holds, under the full model's parameter names.
 

@@ -17,7 +17,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from raytrain_dt.control.policies import Fail, Observation, Resize, Wait
+from raytrain_dt.control.policies import Fail, FailureStreak, Observation, Resize, Wait
 from raytrain_dt.sim.costs import Costs
 from raytrain_dt.sim.planner import SimPlanner
 from raytrain_dt.sim.policies import Strategy
@@ -71,8 +71,7 @@ class GroupModel:
         self.seg: Segment | None = None
         self.step = self.samples = 0
         self.ckpt = (0, 0)  # (step, samples) of the newest committed checkpoint
-        self.restarts = self.failures_at_step = 0
-        self.failed_step = -1
+        self.restarts, self.streak = 0, FailureStreak()
         self.nodes_since, self.waiting_since = 0.0, None
         self.timers: list = []
         self.seq = 0
@@ -113,7 +112,7 @@ class GroupModel:
             now=self.t, nodes=self._usable(), draining=frozenset(f"n{i:05d}" for i in self.draining),
             layout=self.layout if with_layout else None, layout_nodes=self.layout_nodes,
             health=health, step=self._progress()[0], restarts=self.restarts,
-            failures_at_step=self.failures_at_step, waiting_since=self.waiting_since,
+            failures_at_step=self.streak.count, waiting_since=self.waiting_since,
             nodes_stable_since=self.nodes_since,
         )  # fmt: skip
 
@@ -251,8 +250,7 @@ class GroupModel:
     def _fail(self) -> None:
         self.result.failures += 1
         self._close_segment(self.t)
-        self.failures_at_step = self.failures_at_step + 1 if self.failed_step == self.step else 1
-        self.failed_step = self.step
+        self.streak.failed(self.step, training_fault=False)  # only nodes fail here
         self.restarts += 1
         if not self.strategy.live_resize:  # what was not checkpointed died with the group
             self._roll_back()

@@ -78,7 +78,9 @@ def dp_only(planner: SimPlanner, full_layout: Layout, gpus_per_node: int,
     def layout_for(replicas: int) -> Layout:
         dims = ParallelDims(replicas * group * gpus_per_node, pp=pp, dp_replicate=replicas,
                             dp_shard=shard, tp=tp)  # fmt: skip
-        return dataclasses.replace(full_layout, dims=dims, zero_stage=3 if shard > 1 else 0)
+        # Its batch is per_rank x dp, never padded: DP-only shrinks the batch instead.
+        return dataclasses.replace(full_layout, dims=dims, zero_stage=3 if shard > 1 else 0,
+                                   real_global_batch=0)  # fmt: skip
 
     def decide(obs: Observation) -> Decision:
         replicas = len(obs.nodes) // group
@@ -104,7 +106,8 @@ def _replica_nodes(planner: SimPlanner, full: Layout, gpus_per_node: int, memory
     while group * gpus_per_node <= full.dims.world_size:
         shard = group * gpus_per_node // (tp * pp)
         dims = ParallelDims(shard * tp * pp, pp=pp, dp_shard=shard, tp=tp)
-        lay = dataclasses.replace(full, dims=dims, zero_stage=3 if shard > 1 else 0)
+        lay = dataclasses.replace(full, dims=dims, zero_stage=3 if shard > 1 else 0,
+                                  real_global_batch=0)  # fmt: skip
         mem = estimate_memory(planner.shape, lay, seq_len=planner.cfg.data.seq_len,
                               precision=planner.precision)  # fmt: skip
         if mem.total <= memory:

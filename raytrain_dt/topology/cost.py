@@ -123,6 +123,22 @@ def dp_comm_s(
     return rs + replica + ag, backward_last
 
 
+def compute_s(
+    shape: ModelShape,
+    rows_per_rank: int,
+    model_parallel: int,
+    topology: Topology,
+    *,
+    seq_len: int,
+    mfu: float,
+    recompute: float = 1.0,
+) -> float:
+    """Seconds of compute for `rows_per_rank` sequences per DP replica split over `model_parallel`
+    (tp x pp) ranks: the part of a step no layout choice hides, so a floor on its total."""
+    flops = shape.flops_per_token(seq_len) * (rows_per_rank * seq_len) / model_parallel
+    return flops * recompute / (topology.peak_flops * mfu)
+
+
 def estimate_step_time(
     shape: ModelShape,
     layout: Layout,
@@ -138,11 +154,11 @@ def estimate_step_time(
     d = layout.dims
     act_bytes = STATE_BYTES[precision][0]
     m = layout.grad_accum
-    tokens_per_rank = layout.micro_batch * m * seq_len  # per data-parallel replica
-    flops = shape.flops_per_token(seq_len) * tokens_per_rank / (d.tp * d.pp)
     # Full checkpointing re-runs the forward: 1 + 2 passes become 2 + 2.
     recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
-    compute = flops * recompute / (topology.peak_flops * mfu)
+    # Every batch slot is computed, padding included (`Layout.padded_slots`).
+    compute = compute_s(shape, layout.micro_batch * m, d.tp * d.pp, topology,
+                        seq_len=seq_len, mfu=mfu, recompute=recompute)  # fmt: skip
 
     layers = shape.n_layers // d.pp
     tp = 0.0

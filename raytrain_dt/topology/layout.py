@@ -23,10 +23,13 @@ class Topology:
     inter_node_bandwidth: float = 50e9  # 400 Gb/s NIC per accelerator
     intra_node_latency: float = 5e-6
     inter_node_latency: float = 20e-6
+    # Accelerators usable in all when the last node is only partly used (e.g. 3 ranks on nodes
+    # of 2); 0: every accelerator of every node.
+    accelerators: int = 0
 
     @property
     def num_accelerators(self) -> int:
-        return self.num_nodes * self.accelerators_per_node
+        return self.accelerators or self.num_nodes * self.accelerators_per_node
 
 
 @dataclass(frozen=True)
@@ -54,7 +57,7 @@ class Layout:
         if self.real_global_batch == self.batch_slots:  # one spelling of "no padding"
             object.__setattr__(self, "real_global_batch", 0)
         g, dp, per_rank = self.real_global_batch, self.dims.dp, self.micro_batch * self.grad_accum
-        if g and not dp <= g < self.batch_slots or -(-g // dp) > per_rank:
+        if (g and not dp <= g < self.batch_slots) or -(-g // dp) > per_rank:
             raise ValueError(
                 f"real_global_batch={g} must leave every one of dp={dp} ranks between 1 and "
                 f"micro_batch x grad_accum = {per_rank} samples"
@@ -87,8 +90,11 @@ class Layout:
             + (" +ac" if self.activation_checkpointing else "")
             + (" +sp" if self.sequence_parallel else "")
             + (" +deferred-sync" if self.defer_grad_sync else "")
-            + (f" global_batch={self.global_batch} (+{self.padded_slots} padded)"
-               if self.padded_slots else "")
+            + (
+                f" global_batch={self.global_batch} (+{self.padded_slots} padded)"
+                if self.padded_slots
+                else ""
+            )
         )
 
     def as_dict(self) -> dict:

@@ -15,7 +15,8 @@ from raytrain_dt.errors import UserError
 from raytrain_dt.models.presets import PRESETS, ModelShape
 from raytrain_dt.topology.layout import Topology
 from raytrain_dt.topology.memory import shape_for_params
-from raytrain_dt.topology.planner import Candidate, LayoutPins, Plan, plan
+from raytrain_dt.topology.pins import LayoutPins
+from raytrain_dt.topology.planner import Candidate, Plan, plan
 
 # About 4M tokens per step, the budget Llama 2/3 pre-training used, unless --global-batch.
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20

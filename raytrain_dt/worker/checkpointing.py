@@ -7,7 +7,6 @@ the coordinator commits once every rank has saved. A failed write fails that sav
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import os
@@ -43,7 +42,8 @@ class RankCheckpointer:
         self.agree_group = dist.new_group(backend="gloo")
         self.requested = threading.Event()
         self.stop_requested = threading.Event()
-        self._pending: tuple[int, Future] | None = None
+        # The save in flight: its write, and an event set once its outcome is reported.
+        self._pending: tuple[Future, threading.Event] | None = None
 
     # --- requests ----------------------------------------------------------------------------
     def request(self, stop: bool = False) -> None:
@@ -77,8 +77,9 @@ class RankCheckpointer:
             )
             if self.use_async:
                 future = self.engine.save_async(uri, self.write_group, **fault)
-                self._pending = (step, future)
-                future.add_done_callback(lambda f, s=step, u=uri: self._finished(s, u, f))
+                reported = threading.Event()
+                self._pending = (future, reported)
+                future.add_done_callback(lambda f, s=step, u=uri: self._finished(s, u, f, reported))
             else:
                 self.engine.save(uri, **fault)
                 self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
@@ -88,25 +89,28 @@ class RankCheckpointer:
             {"kind": "checkpoint_staged", "step": step, "stall_s": time.perf_counter() - started}
         )
 
-    def _finished(self, step: int, uri: str, future: Future) -> None:
+    def _finished(self, step: int, uri: str, future: Future, reported: threading.Event) -> None:
         exc = future.exception()
         if exc is None:
             self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
         else:
             self._failed(step, uri, exc)
+        reported.set()
 
     def _failed(self, step: int, uri: str, exc: BaseException) -> None:
         message = f"{uri}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.error("checkpoint step %d failed on rank %d: %s", step, self.rank, message)
         self.report({"kind": "save_failed", "step": step, "rank": self.rank, "error": message})
 
-    def wait(self) -> None:
-        """Block until the in-flight save (if any) is written or has failed."""
-        if self._pending is not None:
-            _, future = self._pending
-            self._pending = None
-            with contextlib.suppress(Exception):  # already reported by the done-callback
-                future.result()
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Block until the in-flight save (if any) is written or has failed, and its outcome
+        is reported; False if it is still in flight after `timeout_s`."""
+        if self._pending is None:
+            return True
+        if not self._pending[1].wait(timeout_s):
+            return False
+        self._pending = None
+        return True
 
     # --- RNG ---------------------------------------------------------------------------------
     def _save_rng(self, uri: str) -> None:

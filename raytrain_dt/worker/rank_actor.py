@@ -15,9 +15,11 @@ import logging
 import os
 import queue
 import socket
+import sys
 import threading
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
 import torch
@@ -52,8 +54,16 @@ class RankWorker:
         self.actor_index = actor_index
         self.spec: RankSpec | None = None
         self.engine = None
+        self.checkpointer: RankCheckpointer | None = None
         self._reports: queue.Queue = queue.Queue()
-        self._thread: threading.Thread | None = None
+        # One thread does all of this actor's torch work, layout after layout: set-up, the
+        # train loop, teardown. DTensor caches each op's sharding per thread (torch's
+        # `LocalLRUCache`), so a loop on a thread of its own would recompute them all in its
+        # first step (seconds on CPU: every foreach op of the optimizer and the clipping);
+        # here set-up's checkpoint load and warm-up have already filled them.
+        self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
+        self._training: Future | None = None
+        self._torch_thread_id = 0  # its ident, for saying where it is stuck
         self._stop = threading.Event()
         self._error: str | None = None
         self._done = False
@@ -82,8 +92,6 @@ class RankWorker:
     # --- lifecycle ---------------------------------------------------------------------------
     def setup(self, spec: RankSpec) -> dict:
         """Join the process group, build the engine, load state, open the data (collective)."""
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
         self.spec = spec
         self._stop.clear()
         self._error, self._done = None, False
@@ -93,8 +101,13 @@ class RankWorker:
 
             self.notices = NoticeBoard(ray.get_runtime_context().get_node_id())
         # While it trains, a SIGTERM is a preemption notice for its node, not a sudden death.
-        self.notices.catch_sigterm(spec.cfg.elastic.sigterm_grace_s)
+        self.notices.catch_sigterm(spec.cfg.elastic.sigterm_grace_s)  # main thread only
         self.notices.watch_spot(spec.cfg.elastic.spot_notice_url)
+        return self._torch_thread.submit(self._build, spec).result()
+
+    def _build(self, spec: RankSpec) -> dict:
+        timings: dict[str, float] = {}
+        t0 = time.perf_counter()
         device = select_device(spec.cfg.engine.precision)
         if device.device_type == "cuda":
             gpu_ids = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if i]
@@ -132,6 +145,11 @@ class RankWorker:
             self.engine.load(spec.resume_from)
             self.checkpointer.restore_rng(spec.resume_from)
         timings["checkpoint_load_s"] = time.perf_counter() - t_load
+        t_warm = time.perf_counter()
+        warm_up = getattr(self.engine, "warm_up", None)
+        if warm_up is not None:  # the first step's one-time costs, paid here (see __init__)
+            warm_up()
+        timings["warm_up_s"] = time.perf_counter() - t_warm
 
         t2 = time.perf_counter()
         # The first steps are read here while Ray Data's pipeline starts (`input_stream`).
@@ -167,10 +185,10 @@ class RankWorker:
             ),
             world_size=spec.world_size,
         )
-        self._thread = threading.Thread(target=self._run, args=(loop,), name="train", daemon=True)
-        self._thread.start()
+        self._training = self._torch_thread.submit(self._run, loop)
 
     def _run(self, loop: LoopSpec) -> None:
+        self._torch_thread_id = threading.get_ident()
         try:
             run_loop(
                 self.engine,
@@ -251,33 +269,48 @@ class RankWorker:
 
     def full_state_dict(self) -> dict:
         """Gathered parameters (collective; every rank must be asked). For tests and export."""
-        return self.engine.full_state_dict()
+        return self._torch_thread.submit(self.engine.full_state_dict).result()
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        if self._training is not None:
+            wait([self._training], timeout=timeout_s)
 
-    def teardown(self, grace_s: float = 2.0) -> bool:
-        """Leave the current layout: end the loop, free model and data, destroy the process
-        group. The actor (and its imported torch) stays for the next layout. Returns False when
-        the training thread is stuck (in a collective with a dead or hung peer): such an actor
+    def teardown(self, grace_s: float = 2.0, save_grace_s: float = 5.0) -> bool:
+        """Leave the current layout: end the loop, let a save in flight finish (for at most
+        `save_grace_s`: its outcome stays queued for the coordinator's next poll, which decides
+        whether that checkpoint commits), free model and data, destroy the process group. The
+        actor (and its imported torch) stays for the next layout. Returns False when the
+        training thread is stuck (in a collective with a dead or hung peer): such an actor
         cannot be reused and the coordinator replaces it."""
         self.stop(grace_s)
-        if self._thread is not None and self._thread.is_alive():
-            log.warning("rank %s: training thread still busy after %.0fs; not reusable",
-                        self.spec.rank if self.spec else "?", grace_s)  # fmt: skip
+        # A save runs in threads of its own, so it finishes even when the loop is stuck.
+        if self.checkpointer is not None and not self.checkpointer.wait(save_grace_s):
+            log.warning("rank %s: a checkpoint save still in flight after %.0fs",
+                        self.spec.rank if self.spec else "?", save_grace_s)  # fmt: skip
+        if self._training is not None and not self._training.done():
+            log.warning("rank %s: training thread still busy after %.1fs; not reusable. It is "
+                        "at:\n%s", self.spec.rank if self.spec else "?", grace_s,
+                        _where_thread_is(self._torch_thread_id))  # fmt: skip
             return False
+        if self.notices is not None:
+            self.notices.release_sigterm()
+        self._torch_thread.submit(self._release_layout).result()
+        return True
+
+    def _release_layout(self) -> None:
         self.engine = None
         self.checkpointer = None
         self._batches = None
         if dist.is_initialized():
             dist.destroy_process_group()
-        if self.notices is not None:
-            self.notices.release_sigterm()
         _forget_layout_caches()
         gc.collect()
-        return True
+
+
+def _where_thread_is(thread_id: int, depth: int = 6) -> str:
+    frame = sys._current_frames().get(thread_id)
+    return "".join(traceback.format_stack(frame)[-depth:]) if frame else "(gone)"
 
 
 def _forget_layout_caches() -> None:
@@ -286,10 +319,8 @@ def _forget_layout_caches() -> None:
     reuse. A reused actor must drop them all, or its collectives resolve to the wrong (or no)
     group ("Could not resolve the process group registered under the name N").
 
-    The C++ dispatch fast path keeps its own cache per thread, and `setup` (model build,
-    checkpoint load) runs DTensor ops on the actor's main thread, which outlives layouts: it is
-    cleared here, on that thread (teardown runs there too)."""
-    import sys
+    These caches (and the C++ dispatch fast path's) are per thread: this runs on the actor's
+    torch thread, the one that ran every DTensor op of the layout."""
 
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache

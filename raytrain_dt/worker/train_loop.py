@@ -57,7 +57,8 @@ def run_loop(
         started = time.perf_counter()
         micro = [next(batches) for _ in range(spec.grad_accum)]
         data_wait = time.perf_counter() - started
-        result = engine.train_step([m["tokens"] for m in micro], step)
+        # `real` marks padding rows of an uneven layout: they weigh nothing and are not samples.
+        result = engine.train_step([m["tokens"] for m in micro], step, [m["real"] for m in micro])
         step_time = time.perf_counter() - started
         consumed += spec.global_batch
         record: dict = {"kind": "step", "step": step + 1, "consumed_samples": consumed}
@@ -75,7 +76,7 @@ def run_loop(
                 record["mfu"] = mfu(spec.model_flops_per_token, record["tokens_per_s"],
                                     spec.world_size, spec.peak_flops_per_rank)  # fmt: skip
         if spec.report_sample_ids:
-            record["sample_ids"] = [int(i) for m in micro for i in m["sample_id"]]
+            record["sample_ids"] = [int(i) for m in micro for i in m["sample_id"][m["real"]]]
         report(record)
         completed = step + 1
         # Collective: every rank gets the same answer at the same boundary.

@@ -46,6 +46,8 @@ class FakeRankGroup:
     def __init__(self, checkpoint_root: str):
         self.checkpoint_root = Path(checkpoint_root)
         self.slots: list[FakeSlot] = []
+        self.idle: list[FakeSlot] = []
+        self.starting: list[FakeSlot] = []  # warmed ahead of need: started at the next collect
         self.formations: list[dict[str, int]] = []
         self.dropped = 0
         self.hung = False
@@ -57,11 +59,13 @@ class FakeRankGroup:
 
     # --- what the coordinator calls ----------------------------------------------------------
     def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
-        kept = [s for s in self.slots if s.state != "dead"]
+        self.collect_warm()
+        kept = [s for s in self.slots + self.idle if s.state != "dead"]
         self.slots = []
         for node, count in sorted(counts_by_node.items()):
             here = [s for s in kept if s.node_id == node][:count]
             self.slots += here + [FakeSlot(node) for _ in range(count - len(here))]
+        self.idle = [s for s in kept if s not in self.slots]
         for slot in self.slots:
             slot.state, slot.error = "running", None
         self.formations.append(dict(counts_by_node))
@@ -84,7 +88,7 @@ class FakeRankGroup:
                      "data_start_s": 0.04} for _ in self.slots]  # fmt: skip
         return [None for _ in self.slots]
 
-    def try_call(self, method: str, timeout_s: float = 30.0) -> list[int]:
+    def try_call(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
         if method == "request_checkpoint_and_stop":
             self._stop_requested = True
         return []
@@ -94,7 +98,27 @@ class FakeRankGroup:
         self.slots = [s for r, s in enumerate(self.slots) if r not in ranks]
 
     def shutdown(self) -> None:
-        self.slots = []
+        self.slots, self.idle, self.starting = [], [], []
+
+    def warm(self, node_id: str, count: int) -> None:
+        self.starting += [FakeSlot(node_id) for _ in range(count)]
+
+    def collect_warm(self, timeout_s: float = 0.0) -> None:
+        self.idle += self.starting
+        self.starting = []
+
+    def actors_on(self, node_id: str) -> int:
+        return sum(s.node_id == node_id for s in self.slots + self.idle + self.starting)
+
+    def starting_on(self, node_id: str) -> int:
+        return sum(s.node_id == node_id for s in self.starting)
+
+    def actor_count(self) -> int:
+        return len(self.slots) + len(self.idle) + len(self.starting)
+
+    def drop_spares(self, node_ids: set[str]) -> None:
+        self.idle = [s for s in self.idle if s.node_id not in node_ids]
+        self.starting = [s for s in self.starting if s.node_id not in node_ids]
 
     def poll(self) -> list[dict]:
         running = all(s.state == "running" for s in self.slots)

@@ -107,15 +107,28 @@ def test_node_lost_before_ray_notices_is_left_out_of_the_plan(start):
     assert coordinator.lost_nodes == {"b"}
 
 
-def test_a_dead_rank_does_not_take_its_node_out(start):
-    coordinator, _, group = start()
+def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start):
+    """The survivors train at once (re-planned: the dead rank's node has one started actor),
+    a replacement warms meanwhile, and the group grows back to the node once it has started
+    (just in time, at a step boundary): the dead rank does not take its node out."""
+    coordinator, _, group = start(("a", "b"), "elastic.grow_stable_s=0")
     advance_until(coordinator, Running)
     train_to(coordinator, 5)
     group.kill_rank(1)
     state = coordinator.advance()
-    assert isinstance(state, Restarting) and state.decision.nodes == ("a", "b")
+    assert isinstance(state, Restarting)
+    assert [s.node_id for s in group.starting] == ["a"]  # the replacement, warming
+    assert isinstance(coordinator.advance(), Running) and coordinator.step == 4
+    # Planned for the three survivors only (a: 1, b: 2): it did not wait for the replacement.
+    assert state.decision.layout.dims.world_size == sum(group.formations[-1].values()) < 4
+    state = advance_until(coordinator, Draining, max_iterations=10)  # the replacement started
+    assert state.decision.nodes == ("a", "b") and state.decision.checkpoint_first
+    assert isinstance(coordinator.advance(), Resizing)
     assert isinstance(coordinator.advance(), Running)
-    assert group.formations[-1] == {"a": 2, "b": 2} and coordinator.step == 4
+    assert group.formations[-1] == {"a": 2, "b": 2} and not group.idle and not group.starting
+    grown = events(coordinator, "resize")[-1]
+    assert grown["lost_steps"] == 0 and grown["resumed_step"] == coordinator.step
+    assert isinstance(advance_until(coordinator, Finished), Finished)
 
 
 @pytest.mark.parametrize("source", ["sigterm", "spot", "ray-drain"])
@@ -176,6 +189,26 @@ def test_the_same_step_failing_twice_fails_the_run(start):
     group.kill_rank(1)  # ... and fails after step 3 again
     assert isinstance(coordinator.advance(), Failed)
     assert "deterministic" in coordinator.state.reason
+
+
+def test_only_the_trainings_own_failures_repeat_at_a_step(start):
+    """A node lost at the step a rank failed at is not a repeat of that failure, and a rank
+    failing there after it is the first repeat: only the second repeat fails the run."""
+    coordinator, cluster, group = start(("a", "b"), "checkpoint.every_steps=0")
+    advance_until(coordinator, Running)
+    train_to(coordinator, 3)
+    group.kill_rank(1)  # the training's failure at step 3 (1 of elastic.max_failures_at_step=2)
+    advance_until(coordinator, Running)  # restarts from step 0 ...
+    train_to(coordinator, 3)
+    cluster.node_ids.remove("b")
+    group.kill_node("b")  # ... and loses a node at step 3: not the step's fault
+    assert isinstance(coordinator.advance(), Restarting)
+    assert isinstance(coordinator.advance(), Running) and group.formations[-1] == {"a": 2}
+    assert coordinator.streak.count == 1
+    train_to(coordinator, 3)
+    group.kill_rank(1)  # the training fails at step 3 a second time
+    assert isinstance(coordinator.advance(), Failed)
+    assert "step 4 failed 2 times" in coordinator.state.reason
 
 
 def test_the_autoscaler_is_asked_for_max_nodes(start):

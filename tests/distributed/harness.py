@@ -4,7 +4,7 @@ Starting a process and importing torch costs seconds on a 2-core machine, so the
 workers once and each layout only pays for a process group: every job initialises a fresh gloo
 group over the ranks it needs (the others sit it out), trains, and destroys the group. Ranks
 read the same global batches as `tests/reference.py`, cut per DP rank exactly as
-`raytrain_dt.data.pipeline` cuts them. A wedged collective fails within the process-group
+`raytrain_dt.data.pipeline` cuts them (uneven slices plus padding when dp does not divide it). A wedged collective fails within the process-group
 timeout and a wedged worker within `JOB_TIMEOUT_S`, so a broken layout never hangs the suite.
 """
 
@@ -54,7 +54,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
     import torch
     import torch.distributed as dist
 
-    from raytrain_dt.data.order import rank_positions, sample_ids
+    from raytrain_dt.data.order import rank_rows, sample_ids
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.spec import model_spec
@@ -81,12 +81,15 @@ def _run_job(rank: int, job: Job) -> JobResult:
         g = layout.global_batch
         losses = []
         for step in range(job.start_step, job.start_step + job.steps):
-            positions = rank_positions(step * g, 1, g, dims.dp, dp_rank)
+            # A padded layout's ranks read uneven slices; `real` marks their padding rows.
+            slots = layout.micro_batch * layout.grad_accum
+            positions, real = rank_rows(step * g, 1, g, dims.dp, dp_rank, slots)
             ids = sample_ids(positions, dataset.num_samples, cfg.data.shuffle_seed)
             rows = torch.from_numpy(dataset.read(ids))
             micro = list(torch.split(rows, layout.micro_batch))
+            masks = list(torch.split(torch.from_numpy(real), layout.micro_batch))
             assert len(micro) == layout.grad_accum, (len(micro), layout)
-            losses.append(engine.train_step(micro, step).loss)
+            losses.append(engine.train_step(micro, step, masks).loss)
         params = engine.full_state_dict()
         keys = None
         if job.checkpoint_dir:
@@ -99,9 +102,12 @@ def _run_job(rank: int, job: Job) -> JobResult:
         dist.destroy_process_group()
 
 
-def _checkpoint_keys(path: str) -> list[str]:
+def _checkpoint_keys(path: str) -> list[str] | None:
+    """The state-dict keys of a DCP checkpoint; None for DeepSpeed's own format."""
     import torch.distributed.checkpoint as dcp
 
+    if not os.path.exists(os.path.join(path, ".metadata")):
+        return None
     metadata = dcp.FileSystemReader(path).read_metadata()
     return sorted(metadata.state_dict_metadata)
 

@@ -3,9 +3,13 @@
 One pool of 4 spawned processes (no Ray) runs layout after layout, 5 optimizer steps of 2
 micro-batches each, and the losses and final full parameters must match `reference_run` within
 1e-5. The tiny model has 4 layers, so interleaved pp=2 x 2 virtual stages holds 1 layer a stage.
+DeepSpeed layouts run in the same pool (`engines.deepspeed_engine.initialize_deepspeed` resets
+DeepSpeed's process-global groups for each new process group).
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -43,6 +47,15 @@ def _layout(zero: int = 3, **kw) -> Layout:
     )
 
 
+def _padded(zero: int, **degrees) -> Layout:
+    """A layout of 3 DP ranks whose slots (micro_batch 2 x GRAD_ACCUM) exceed GLOBAL_BATCH."""
+    dims = ParallelDims(world_size=_product(degrees), **degrees)
+    per_rank = -(-GLOBAL_BATCH // dims.dp)
+    return Layout(
+        dims, zero, -(-per_rank // GRAD_ACCUM), GRAD_ACCUM, real_global_batch=GLOBAL_BATCH
+    )
+
+
 def _product(degrees: dict) -> int:
     out = 1
     for v in degrees.values():
@@ -70,6 +83,19 @@ LAYOUTS = {
     # layout defers the reduce-scatter to the final one (engine.grad_sync=final).
     "fsdp2-zero1": _layout(zero=1, dp_shard=2),
     "fsdp2-full+deferred-sync": _layout(zero=3, dp_shard=2, defer_grad_sync=True),
+    # dp=3 does not divide the global batch of 8: the ranks read 2/3/3 samples in 4 slots each
+    # (rank 0's second micro-batch is all padding), weighted so the gradient is the reference's.
+    "fsdp2-full-dp3-padded": _padded(zero=3, dp_shard=3),
+    "ddp-dp3-padded": _padded(zero=0, dp_replicate=3),
+    # Per-row losses of vocab-sharded DTensor logits (loss_parallel): 10 slots, 8 real.
+    "tp2+sp-padded": Layout(
+        ParallelDims(world_size=2, tp=2),
+        3,
+        5,
+        GRAD_ACCUM,
+        sequence_parallel=True,
+        real_global_batch=GLOBAL_BATCH,
+    ),
 }
 
 
@@ -104,10 +130,36 @@ def reference(cfg):
     return reference_run(cfg, STEPS)
 
 
+# DeepSpeed ZeRO-1 over our pipeline stages and schedules (the one DeepSpeed + pipeline
+# combination); the DP ranks of each stage shard its optimizer.
+DEEPSPEED_PIPELINE_LAYOUTS = {
+    "ds-zero1-pp2-1f1b": _layout(zero=1, pp=2, pp_schedule="1f1b"),
+    "ds-zero1-pp2-interleaved+ac": _layout(
+        zero=1, pp=2, pp_schedule="interleaved", virtual_stages=2, activation_checkpointing=True
+    ),
+    "ds-zero1-pp2xdp2": _layout(zero=1, pp=2, dp_shard=2),
+    # ZeRO-Offload: each stage's optimizer partition steps on the host.
+    "ds-zero1-pp2xdp2-gpipe+offload": _layout(
+        zero=1, pp=2, dp_shard=2, pp_schedule="gpipe", offload_optimizer=True
+    ),
+}
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_equals_single_process(pool, cfg, reference, name):
+    _assert_equals_reference(pool.run(cfg, LAYOUTS[name], STEPS), reference)
+
+
+@pytest.mark.parametrize("name", list(DEEPSPEED_PIPELINE_LAYOUTS))
+def test_deepspeed_pipeline_equals_single_process(pool, cfg, reference, name):
+    deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
+    _assert_equals_reference(
+        pool.run(deepspeed, DEEPSPEED_PIPELINE_LAYOUTS[name], STEPS), reference
+    )
+
+
+def _assert_equals_reference(result, reference) -> None:
     ref_losses, ref_params = reference
-    result = pool.run(cfg, LAYOUTS[name], STEPS)
     assert result.losses == pytest.approx(ref_losses, abs=1e-5)
     assert result.params.keys() == ref_params.keys()
     for key, value in ref_params.items():
@@ -168,6 +220,32 @@ def test_checkpoint_moves_between_pipeline_layouts(pool, cfg, reference, tmp_pat
         torch.testing.assert_close(gathered[key], value, atol=1e-5, rtol=0, msg=key)
 
 
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        (DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2xdp2"], _layout(zero=1, dp_shard=2)),
+        (_layout(zero=1, dp_shard=2), DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2-1f1b"]),
+    ],
+    ids=["pp2xdp2-to-dp2", "dp2-to-pp2"],
+)
+def test_deepspeed_checkpoint_moves_across_pipeline_split(pool, cfg, reference, tmp_path, saved,
+                                                          loaded):  # fmt: skip
+    """DeepSpeed's own checkpoint, 3 steps in one layout and the last 2 in another (pipeline
+    split and DP size changed: the universal conversion, stage by stage): still the reference.
+    Every stage's files name parameters as the unsplit model does."""
+    ref_losses, ref_params = reference
+    deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
+    first = pool.run(deepspeed, saved, 3, checkpoint_dir=str(tmp_path))
+    names = set()
+    for states in (tmp_path / "ds").glob("mp_rank_*_model_states.pt"):
+        names |= set(torch.load(states, weights_only=False)["module"])
+    assert names == ref_params.keys()
+    second = pool.run(deepspeed, loaded, 2, load_dir=str(tmp_path), start_step=3)
+    assert first.losses + second.losses == pytest.approx(ref_losses, abs=1e-5)
+    for key, value in ref_params.items():
+        torch.testing.assert_close(second.params[key], value, atol=1e-5, rtol=0, msg=key)
+
+
 def test_stage_split_balances_embedding_and_head():
     from raytrain_dt.parallel.pipeline import stage_indices, stage_layer_counts
 
@@ -191,10 +269,24 @@ def test_stage_split_balances_embedding_and_head():
     ],
 )
 def test_invalid_pipeline_layouts_name_the_key(changes, key):
-    import dataclasses
-
     from raytrain_dt.parallel.pipeline import validate_pipeline
 
     layout = dataclasses.replace(_layout(pp=2), **changes)
     with pytest.raises(ValueError, match=key):
         validate_pipeline(layout, n_layers=4, tie_embeddings=False)
+
+
+def test_deepspeed_padded_layout_equals_single_process(pool, cfg, reference):
+    """DeepSpeed ZeRO-2 on the padded 3-rank layout: DeepSpeed divides each micro-step's loss
+    by the accumulation count and averages gradients over DP itself, and the padding-weighted
+    loss (`engines.micro_loss`) still gives the reference's gradient. Last in the module: a
+    process cannot start DeepSpeed again once its process group was destroyed."""
+    import dataclasses
+
+    ds_cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
+    layout = _padded(zero=2, dp_shard=3)
+    ref_losses, ref_params = reference
+    result = pool.run(ds_cfg, layout, STEPS)
+    assert result.losses == pytest.approx(ref_losses, abs=1e-5)
+    for key, value in ref_params.items():
+        torch.testing.assert_close(result.params[key], value, atol=1e-5, rtol=0, msg=key)

@@ -1,10 +1,11 @@
-"""DeepSpeed ZeRO training on the shared local Ray cluster, checked against the single-process
-reference, plus resume from DeepSpeed's own checkpoints (same layout, and at another DP size
-through a universal checkpoint)."""
+"""DeepSpeed ZeRO training on the shared local Ray cluster (also ZeRO-1 with pipeline stages),
+checked against the single-process reference, plus resume from DeepSpeed's own checkpoints
+(same layout, and at another DP size through a universal checkpoint)."""
 
 from __future__ import annotations
 
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +78,23 @@ def test_resume_equals_uninterrupted_and_reshards(make_config, tmp_path):
     assert result.final_step == 6 and result.layout.dims.dp == 1
     resharded = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert resharded[3:] == pytest.approx(uninterrupted[3:], abs=1e-5)
+
+
+def test_zero1_pipeline_equals_single_process(make_config):
+    """DeepSpeed ZeRO-1 over two pipeline stages through Ray (planned, placed, checkpointed)."""
+    cfg = make_config(
+        "engine.name=deepspeed",
+        "parallel.pp=2",
+        "trainer.grad_accum=2",
+        "checkpoint.every_steps=5",
+    )
+    result = train(cfg, show_progress=False)
+    assert (result.layout.dims.pp, result.layout.zero_stage) == (2, 1)
+    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
+    ref_losses, ref_params = reference_run(cfg, cfg.trainer.steps)
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
+    # One set of DeepSpeed files per stage, each under the unsplit model's names.
+    stages = sorted(Path(result.latest_checkpoint, "ds").glob("mp_rank_*_model_states.pt"))
+    assert len(stages) == 2
+    names = [set(torch.load(f, weights_only=False)["module"]) for f in stages]
+    assert not names[0] & names[1] and names[0] | names[1] == ref_params.keys()

@@ -15,6 +15,29 @@ from raytrain_dt.observe.metrics import read_jsonl
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
+def _assert_trains_like_one_process(cfg, result) -> list[dict]:
+    """Losses and final weights equal the single-process reference's, and every step consumed
+    exactly the global batch the documented order defines. Returns the metrics."""
+    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
+    ref_losses, ref_params = reference_run(cfg, cfg.trainer.steps)
+    assert [m["step"] for m in metrics] == list(range(1, cfg.trainer.steps + 1))
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
+
+    # The final checkpoint, gathered in one process, holds the reference's weights.
+    params = load_checkpoint_params(result.latest_checkpoint)
+    assert params.keys() == ref_params.keys()
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0)
+
+    dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
+    ledger = read_jsonl(f"{result.run_dir}/ledger.jsonl")
+    for record in ledger:
+        assert record["sample_ids"] == global_batch_ids(cfg, dataset, record["step"] - 1).tolist()
+    seen = [i for record in ledger for i in record["sample_ids"]]
+    assert len(seen) == len(set(seen)) == cfg.trainer.steps * cfg.trainer.global_batch
+    return metrics
+
+
 @pytest.mark.parametrize("zero_stage", [0, 3], ids=["replicate", "fsdp-full"])
 def test_two_rank_fsdp2_equals_single_process(make_config, zero_stage):
     cfg = make_config(
@@ -23,25 +46,22 @@ def test_two_rank_fsdp2_equals_single_process(make_config, zero_stage):
     result = train(cfg, show_progress=False)
     assert result.layout.dims.dp == 2 and result.layout.grad_accum == 2
     assert result.layout.zero_stage == zero_stage
-    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
-    ref_losses, ref_params = reference_run(cfg, cfg.trainer.steps)
-    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5]
-    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
+    metrics = _assert_trains_like_one_process(cfg, result)
     assert all(m["world_size"] == 2 for m in metrics)
 
-    # The final checkpoint, gathered in one process, holds the reference's weights.
-    params = load_checkpoint_params(result.latest_checkpoint)
-    assert params.keys() == ref_params.keys()
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0)
 
-    # Every step consumed exactly the global batch the documented order defines.
-    dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
-    ledger = read_jsonl(f"{result.run_dir}/ledger.jsonl")
-    for record in ledger:
-        assert record["sample_ids"] == global_batch_ids(cfg, dataset, record["step"] - 1).tolist()
-    seen = [i for record in ledger for i in record["sample_ids"]]
-    assert len(seen) == len(set(seen)) == cfg.trainer.steps * cfg.trainer.global_batch
+def test_three_ranks_split_an_uneven_batch_like_one_process(make_config):
+    """3 ranks of global batch 16: the planner keeps all 3 (5/5/6 samples in 6 slots each, 2
+    padded) rather than idle one for dp=2, and the run is still the single-process one: same
+    losses and weights, and the ledger (real rows only) holds each step's batch exactly once."""
+    cfg = make_config(
+        "trainer.global_batch=16", "trainer.grad_accum=2", "cluster.num_ranks=3",
+        "checkpoint.every_steps=5", "engine.zero_stage=3",
+    )  # fmt: skip
+    result = train(cfg, show_progress=False)
+    layout = result.layout
+    assert (layout.dims.dp, layout.global_batch, layout.padded_slots) == (3, 16, 2)
+    _assert_trains_like_one_process(cfg, result)
 
 
 def test_resume_equals_uninterrupted(make_config, tmp_path):

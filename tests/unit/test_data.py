@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from raytrain_dt.data.order import rank_positions, sample_ids
+from raytrain_dt.data.order import rank_positions, rank_rows, sample_ids
 from raytrain_dt.data.prepare import DOC_SEPARATOR, prepare_dataset
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import DataError
@@ -50,6 +50,75 @@ def test_global_order_is_a_permutation_per_epoch_and_independent_of_dp():
         per_step = [rank_positions(24, 5, g, dp, r).reshape(5, -1) for r in range(dp)]
         joined = np.concatenate(per_step, axis=1).reshape(-1)
         assert np.array_equal(joined, np.arange(24, 24 + 5 * g))
+
+
+@pytest.mark.parametrize(("g", "dp", "slots"), [(16, 3, 0), (16, 3, 8), (8, 3, 4), (12, 4, 0)])
+def test_uneven_dp_reads_each_position_once_in_balanced_slices(g, dp, slots):
+    """Real rows over the ranks are the step's positions in order; padding fills the slots."""
+    steps = 4
+    reads = [rank_rows(24, steps, g, dp, r, slots) for r in range(dp)]
+    width = slots or -(-g // dp)
+    for positions, real in reads:
+        assert positions.shape == real.shape == (steps * width,)
+    real_rows = [p.reshape(steps, -1)[m.reshape(steps, -1)].reshape(steps, -1) for p, m in reads]
+    joined = np.concatenate(real_rows, axis=1).reshape(-1)
+    assert np.array_equal(joined, np.arange(24, 24 + steps * g))
+    counts = [r.shape[1] for r in real_rows]
+    assert max(counts) - min(counts) <= 1 and sum(counts) == g
+    for positions, _ in reads:  # a padding row is one of the step's own positions
+        step = (positions - 24) // g
+        assert np.array_equal(step, np.repeat(np.arange(steps), width))
+    if g % dp == 0 and not slots:
+        for r, (positions, real) in enumerate(reads):
+            assert real.all() and np.array_equal(positions, rank_positions(24, steps, g, dp, r))
+
+
+def test_rank_rows_refuses_slots_a_slice_does_not_fit():
+    with pytest.raises(ValueError, match="reads 6 of global batch 16: needs 1 to 5"):
+        rank_rows(0, 1, 16, 3, 2, slots=5)
+
+
+def test_ledger_lists_only_real_samples_once(token_data):
+    """Three ranks of global batch 16 through the real fetch and train loop: the ids they
+    report for the ledger are the reference global batches, and padding rows are skipped."""
+    import threading
+
+    import torch
+
+    from raytrain_dt.data.pipeline import DataSlice, _fetch
+    from raytrain_dt.engines.base import StepResult
+    from raytrain_dt.worker.train_loop import LoopSpec, run_loop
+
+    dataset = TokenDataset.open(token_data, 64)
+    g, dp, micro, accum, steps, seed = 16, 3, 3, 2, 3, 5
+
+    class CountingEngine:
+        real_rows = 0
+
+        def train_step(self, micro_batches, step, real=None):
+            assert [m.shape[0] for m in micro_batches] == [micro] * accum
+            self.real_rows += sum(int(r.sum()) for r in real)
+            return StepResult(0.0, 0.0, 0.0)
+
+    by_step: dict[int, list[int]] = {}
+    engine = CountingEngine()
+    for r in range(dp):
+        data = DataSlice(dataset, seed, 16, steps, g, dp, r, micro, slots=micro * accum)
+        rows = [
+            _fetch({"id": np.arange(i, i + micro)}, data) for i in range(0, data.num_rows, micro)
+        ]
+        batches = iter([{k: torch.as_tensor(v) for k, v in b.items()} for b in rows])
+        spec = LoopSpec(1, 1 + steps, 16, g, accum, 64, 0, False, True)
+        reports: list[dict] = []
+        run_loop(engine, batches, spec, reports.append, lambda *a: None, threading.Event())
+        for rep in reports:
+            by_step.setdefault(rep["step"], []).extend(rep["sample_ids"])
+    assert engine.real_rows == steps * g
+    for step, ids in by_step.items():  # step k (1-based) consumed positions [(k-1)G, kG) + 16
+        expected = sample_ids(
+            np.arange(16 + (step - 2) * g, 16 + (step - 1) * g), dataset.num_samples, seed
+        )
+        assert ids == expected.tolist()
 
 
 def test_missing_empty_and_wrong_schema_datasets_give_one_line(tmp_path):

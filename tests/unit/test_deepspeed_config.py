@@ -11,7 +11,8 @@ from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.presets import PRESETS
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.parallel_dims import ParallelDims
-from raytrain_dt.topology.planner import LayoutPins, plan
+from raytrain_dt.topology.pins import LayoutPins
+from raytrain_dt.topology.planner import plan
 from raytrain_dt.worker.device import DeviceSpec
 
 CPU = DeviceSpec("cpu", "gloo", torch.float32, torch.float32)
@@ -81,7 +82,8 @@ def test_bf16_only_with_mixed_precision():
     ("dims", "zero", "key"),
     [
         (ParallelDims(world_size=4, dp_shard=2, tp=2), 1, "parallel.tp"),
-        (ParallelDims(world_size=4, dp_shard=2, pp=2), 1, "parallel.pp"),
+        (ParallelDims(world_size=4, dp_shard=2, pp=2), 0, "engine.zero_stage"),
+        (ParallelDims(world_size=4, dp_shard=2, pp=2), 2, "engine.zero_stage"),
         (ParallelDims(world_size=4, dp_shard=2, pp=2), 3, "engine.zero_stage"),
         (ParallelDims(world_size=4, dp_shard=2, cp=2), 1, "parallel.cp"),
     ],
@@ -92,17 +94,24 @@ def test_unsupported_layouts_name_the_key(dims, zero, key):
     assert "\n" not in str(err.value)
 
 
-def test_pp_message_names_zero1_limitation():
+def test_zero1_pipeline_is_one_deepspeed_micro_batch_per_step():
+    """Under a pipeline the schedule runs the micro-batches; DeepSpeed sees one per step."""
+    from raytrain_dt.engines.deepspeed_pipeline import pipeline_deepspeed_config
+
     dims = ParallelDims(world_size=4, dp_shard=2, pp=2)
-    with pytest.raises(ConfigError, match=r"ZeRO-1 \+ pipeline is not implemented"):
-        deepspeed_config(TrainConfig(), Layout(dims, 1, 1, 1), CPU)
+    lay = Layout(dims, 1, micro_batch=2, grad_accum=3, pp_schedule="gpipe")
+    ds = pipeline_deepspeed_config(TrainConfig(), lay, CPU)
+    assert ds["zero_optimization"]["stage"] == 1
+    assert (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]) == (6, 1)
+    # DeepSpeed's identity, against the DP size of a stage (not the world size).
+    assert ds["train_batch_size"] == lay.global_batch == 6 * dims.dp
 
 
 @pytest.mark.parametrize(
     ("pins", "key"),
     [
         (LayoutPins(tp=2), "parallel.tp"),
-        (LayoutPins(pp=2, zero_stage=1), "parallel.pp"),
+        (LayoutPins(pp=2, zero_stage=0), "engine.zero_stage"),
         (LayoutPins(pp=2, zero_stage=2), "engine.zero_stage"),
         (LayoutPins(pp=2, zero_stage=3), "engine.zero_stage"),
     ],
@@ -114,8 +123,22 @@ def test_invalid_deepspeed_pins_are_refused_at_plan_time(pins, key):
         plan(PRESETS["tiny"], topology, global_batch=8, seq_len=64, pins=pins, engine="deepspeed")
 
 
-def test_deepspeed_plans_data_parallelism_only():
-    # 70B on 8 x 8: FSDP2 would need TP or PP; DeepSpeed is planned onto ZeRO-3 DP alone.
+def test_deepspeed_plans_no_tp_and_pipelines_only_with_zero1():
+    # 70B on 8 x 8: FSDP2 would use TP or PP; DeepSpeed gets no TP, and PP only with ZeRO-1.
     topology = Topology(8, 8, memory_per_accelerator=80e9)
-    best = plan(PRESETS["llama-70b"], topology, global_batch=512, seq_len=4096, engine="deepspeed")
-    assert (best.best.layout.dims.tp, best.best.layout.dims.pp) == (1, 1)
+    result = plan(
+        PRESETS["llama-70b"], topology, global_batch=512, seq_len=4096, engine="deepspeed"
+    )
+    for candidate in (result.best, *result.alternatives):
+        lay = candidate.layout
+        assert lay.dims.tp == 1
+        assert lay.dims.pp == 1 or lay.zero_stage == 1, lay.describe()
+
+
+def test_deepspeed_zero1_pipeline_is_planned_when_pinned():
+    topology = Topology(1, 4, memory_per_accelerator=80e9)
+    pins = LayoutPins(pp=2, pp_schedule="interleaved", virtual_stages=2)
+    best = plan(PRESETS["tiny"], topology, global_batch=8, seq_len=64, pins=pins,
+                engine="deepspeed").best  # fmt: skip
+    assert (best.layout.dims.pp, best.layout.dims.dp, best.layout.zero_stage) == (2, 2, 1)
+    assert best.layout.pp_schedule == "interleaved"

@@ -22,8 +22,9 @@ from raytrain_dt.topology.cost import (
 )
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.parallel_dims import ParallelDims
+from raytrain_dt.topology.pins import LayoutPins, engine_refusal
 from raytrain_dt.topology.plan_cli import add_plan_arguments, run_plan
-from raytrain_dt.topology.planner import LayoutPins, plan
+from raytrain_dt.topology.planner import plan
 
 H100 = 80e9
 
@@ -92,11 +93,89 @@ def test_global_batch_is_kept_exactly(model, nodes, per_node, gb) -> None:
         assert c.memory.total <= H100
 
 
-def test_fallback_to_a_smaller_world_when_dp_cannot_divide_the_batch() -> None:
-    # 24 GPUs: dp is always 3 x 2^k for 32 layers and tp | 8, and 3 does not divide 64.
+def test_uneven_batch_on_all_accelerators_beats_a_smaller_exact_world() -> None:
+    # 24 GPUs: dp is always 3 x 2^k for 32 layers and tp | 8, and 3 does not divide 64. Reading
+    # 2 or 3 samples per rank (72 slots, 8 padded) beats 4 each on 16 GPUs.
     p = _plan("llama-7b", 3, gb=64)
-    assert p.best.layout.dims.world_size == 16 and p.best.layout.global_batch == 64
-    assert p.best.reason.startswith("uses 16 of 24 accelerators")
+    lay = p.best.layout
+    assert lay.dims.world_size == 24 and lay.global_batch == 64
+    assert lay.batch_slots == 72 and lay.padded_slots == 8
+    assert "dp=24 reads 2 or 3 each of 64; 8 padded slots" in p.best.reason
+    exact = _plan("llama-7b", 2, gb=64).best  # the best 16-GPU layout
+    assert p.best.step_time.total_s < exact.step_time.total_s
+
+
+def test_padding_is_priced_and_exact_layouts_win_when_as_fast() -> None:
+    from raytrain_dt.control.cluster import CPU_PEAK_FLOPS
+
+    def best(ranks, gb, **kw):
+        topo = Topology(1, ranks, memory_per_accelerator=8e9, peak_flops=CPU_PEAK_FLOPS)
+        return plan(PRESETS["tiny"], topo, global_batch=gb, seq_len=64, precision="fp32", **kw).best
+
+    # 3 CPU ranks of global batch 16: 5/5/6 in 6 slots each beats 8 each on 2 ranks.
+    three = best(3, 16)
+    assert (three.layout.dims.dp, three.layout.batch_slots, three.layout.global_batch) == (
+        3,
+        18,
+        16,
+    )
+    assert three.reason.endswith("dp=3 reads 5/5/6 of 16; 2 padded slots")
+    assert three.step_time.total_s < best(2, 16).step_time.total_s
+    # Where dp divides the batch nothing is padded, and pipeline stages never pad.
+    assert best(4, 16).layout.padded_slots == 0
+    assert best(3, 16, pins=LayoutPins(pp=2)).layout.dims.dp in (1, 2)
+    assert best(3, 16, pins=LayoutPins(pp=2)).layout.padded_slots == 0
+    # Both micro_batch and grad_accum pinned: exact only. One pinned: slots round up to it.
+    assert best(3, 16, pins=LayoutPins(micro_batch=2, grad_accum=4)).layout.dims.dp == 2
+    lay = best(3, 16, pins=LayoutPins(grad_accum=2)).layout
+    assert (lay.dims.dp, lay.micro_batch, lay.grad_accum, lay.global_batch) == (3, 3, 2, 16)
+    # grad_accum=4 rounds 6 slots up to 8, no faster than 8 each on 2 ranks: the exact 2 win.
+    lay = best(3, 16, pins=LayoutPins(grad_accum=4)).layout
+    assert (lay.dims.dp, lay.padded_slots) == (2, 0)
+
+
+def test_layout_records_keep_the_real_batch_and_old_ones_load() -> None:
+    dims = ParallelDims(world_size=3, dp_shard=3)
+    padded = Layout(dims, 3, 3, 2, real_global_batch=16)
+    assert (padded.global_batch, padded.batch_slots, padded.padded_slots) == (16, 18, 2)
+    assert Layout.from_dict(padded.as_dict()) == padded
+    old = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 4, 2).as_dict()
+    del old["real_global_batch"]  # written before uneven batches existed
+    assert Layout.from_dict(old).global_batch == 16 and Layout.from_dict(old).padded_slots == 0
+    # "Real batch = slots" is spelled 0, so equal layouts compare equal.
+    assert Layout(dims, 3, 3, 2, real_global_batch=18) == Layout(dims, 3, 3, 2)
+    with pytest.raises(ValueError, match="real_global_batch=19"):
+        Layout(dims, 3, 3, 2, real_global_batch=19)
+    with pytest.raises(ValueError, match="real_global_batch=2 "):  # a rank would read nothing
+        Layout(dims, 3, 3, 2, real_global_batch=2)
+
+
+def test_fewer_accelerators_win_a_throughput_tie() -> None:
+    from raytrain_dt.topology.planner import THROUGHPUT_TIE
+
+    # 1023 nodes for 1024 samples at 8 GPUs per sample: some rank must hold 2 samples, so
+    # 512 nodes reach the same throughput (within the tie band) as all 1023.
+    topo = Topology(1023, 8, memory_per_accelerator=H100)
+    p = plan(PRESETS["llama-70b"], topo, global_batch=1024, seq_len=4096,
+             pins=LayoutPins(tp=8, pp=1))  # fmt: skip
+    lay = p.best.layout
+    assert lay.dims.world_size < topo.num_accelerators and lay.padded_slots == 0
+    full = [c for c in [p.best, *p.alternatives] if c.layout.dims.world_size > lay.dims.world_size]
+    for c in full:
+        assert c.step_time.total_s > p.best.step_time.total_s * (1 - THROUGHPUT_TIE)
+    assert p.best.reason.startswith(f"uses {lay.dims.world_size} of 8184 accelerators")
+
+
+def test_dp_degrees_take_one_world_per_per_rank_share() -> None:
+    from raytrain_dt.topology.planner import _dp_degrees
+
+    dps = _dp_degrees(1024, 8184, LayoutPins())
+    shares = [-(-1024 // d) for d in dps]
+    assert len(set(shares)) == len(shares) and len(dps) < 2 * 32 + 2  # O(sqrt(G))
+    assert all(-(-1024 // (d - 1)) > s for d, s in zip(dps, shares, strict=True) if d > 1)
+    assert {1, 2, 3, 512, 1024} <= set(dps) and max(dps) == 1024
+    assert _dp_degrees(16, 3, LayoutPins()) == [1, 2, 3]
+    assert set(_dp_degrees(16, 12, LayoutPins(dp_shard=2))) == {2, 4, 6, 8, 12}
 
 
 def test_uses_every_accelerator_when_it_can() -> None:
@@ -299,3 +378,28 @@ def test_cli_errors_return_2_with_one_line(capsys) -> None:
     assert _cli(["--model", "llama-7b", "--nodes", "1", "--tp", "3"]) == 2
     assert "parallel.tp" in capsys.readouterr().err
     assert _cli(["--model", "llama-7b", "--params", "7e9", "--nodes", "1"]) == 2
+
+
+# --- engine refusals ---------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("tp", "pp", "zero", "key"),
+    [
+        (2, 1, 1, "parallel.tp"),
+        (1, 2, 0, "engine.zero_stage"),
+        (1, 2, 2, "engine.zero_stage"),
+        (1, 4, 3, "engine.zero_stage"),
+    ],
+)
+def test_deepspeed_refusals_are_one_line_naming_the_key(tp, pp, zero, key) -> None:
+    message = engine_refusal("deepspeed", tp, pp, zero)
+    assert message is not None and message.startswith(f"{key}: ") and "\n" not in message
+    assert "engine.name=deepspeed" in message
+
+
+def test_deepspeed_runs_pipelines_with_zero1() -> None:
+    # ZeRO-1 with any pipeline degree, and an unpinned stage (the planner picks ZeRO-1 then).
+    assert engine_refusal("deepspeed", 1, 2, 1) is None
+    assert engine_refusal("deepspeed", None, 4, None) is None
+    assert engine_refusal("fsdp2", 2, 2, 3) is None
+    best = _plan("llama-7b", 1, gb=64, pins=LayoutPins(pp=2), engine="deepspeed").best
+    assert (best.layout.dims.pp, best.layout.dims.tp, best.layout.zero_stage) == (2, 1, 1)

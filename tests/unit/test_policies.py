@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from raytrain_dt.config.schema import ElasticConfig
@@ -75,6 +77,17 @@ def test_growth_waits_for_stable_capacity_then_checkpoints_first(policy):
     decision = policy.decide(running(nodes=four, nodes_stable_since=90.0))
     assert isinstance(decision, Resize) and decision.checkpoint_first
     assert decision.layout.dims.world_size == 8
+
+
+def test_replaced_ranks_grow_the_group_on_the_nodes_it_uses(policy):
+    """Capacity, not the node count, decides growth: a layout that kept one rank per node
+    (its peers died) grows once their replacements show up on those very nodes."""
+    shrunk = dp_layout((NodeInfo("a", 1), NodeInfo("b", 1)))
+    obs = running(layout=shrunk, layout_nodes=("a", "b"))
+    decision = policy.decide(obs)
+    assert isinstance(decision, Resize) and decision.checkpoint_first
+    assert decision.layout.dims.world_size == 4 and decision.nodes == ("a", "b")
+    assert isinstance(policy.decide(replace(obs, nodes=(NodeInfo("a", 1), NodeInfo("b", 1)))), Noop)
 
 
 def test_below_min_nodes_waits_then_fails(policy):

@@ -72,8 +72,11 @@ def test_trace_files_round_trip_and_bad_rows_name_the_event(tmp_path):
 
 
 def _hand_setup(**cost_changes) -> Setup:
-    """A tiny model on 2 nodes x 8 GPUs, measured step times 1 s (16 GPUs) and 2 s (8 GPUs)."""
-    cfg = scale_config("tiny", 8, 128, 16)
+    """A 1B model on 2 nodes x 8 GPUs, measured step times 1 s (16 GPUs) and 2 s (8 GPUs).
+
+    Big enough for compute to outweigh collective latency, so the planner's fastest layout uses
+    every GPU it has (on a tiny model one GPU would be fastest)."""
+    cfg = scale_config("llama-1b", 8, 2048, 16)
     costs = Costs(detection_s=10, replan_s=0, reform_s=20, actor_start_s=30, first_step_extra_s=0,
                   ckpt_save_s=0, ckpt_load_s=5, ckpt_stall_s=0, step_s_by_world={16: 1.0, 8: 2.0},
                   **cost_changes)  # fmt: skip

@@ -1,0 +1,105 @@
+"""DeepSpeed checkpoint files: the layout that wrote them, and their layout-free conversion.
+
+A DeepSpeed checkpoint directory holds, per pipeline stage s ("model parallel" rank s to
+DeepSpeed), `mp_rank_<s>_model_states.pt` and one `..._mp_rank_<s>_optim_states.pt` ZeRO
+partition per DP rank (ZeRO-3 names its model states per DP rank instead, and is never
+pipelined here). Every stage's files name parameters as the unsplit model does.
+
+DeepSpeed's loader needs the layout that wrote a checkpoint; another DP size or pipeline split
+goes through its universal format (per-parameter fp32 weights and Adam moments). Its converter
+merges pipeline stages only for its own PipelineModule's layer files, so a pipeline checkpoint
+is converted stage by stage, each as the 1-stage checkpoint it is, and the results merged:
+disjoint parameter directories, and one model-states file with every stage's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+
+log = logging.getLogger("raytrain_dt.deepspeed")
+
+MODEL_STATES = "mp_rank_{stage:02d}_model_states.pt"
+
+
+def saved_layout(tag_dir: Path) -> tuple[int, bool, int] | None:
+    """(DP size, is ZeRO-3, pipeline stages) a checkpoint was written with; None for ZeRO-0
+    (replicated states load at any DP size). Read from DeepSpeed's file names."""
+    # Stage 0's partitions: a pipeline checkpoint has one set per stage.
+    partitions = list(tag_dir.glob("*_mp_rank_00_optim_states.pt"))
+    if not partitions:
+        return None
+    zero3 = any(tag_dir.glob("zero_pp_rank_*_model_states.pt"))
+    # ZeRO-3 names its model states per DP rank, not per stage: it counts as one stage.
+    stages = len(list(tag_dir.glob("mp_rank_*_model_states.pt"))) or 1
+    return len(partitions), zero3, stages
+
+
+def to_universal(tag_dir: Path, out_dir: Path) -> None:
+    """Write the universal form of the checkpoint in `tag_dir` to `out_dir` (atomically)."""
+    stages = (saved_layout(tag_dir) or (1, False, 1))[2]
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out_dir.parent, prefix=".universal-") as tmp:
+        work = Path(tmp)
+        if stages == 1:
+            _convert(tag_dir, work / "out")
+        else:
+            _convert_stages(tag_dir, stages, work)
+        (work / "out").rename(out_dir)
+
+
+def _convert_stages(tag_dir: Path, stages: int, work: Path) -> None:
+    merged = work / "out"
+    model_states: dict = {}
+    for stage in range(stages):
+        # This stage's files under stage 0's names: a 1-stage checkpoint to DeepSpeed.
+        alone = work / f"stage{stage}"
+        alone.mkdir()
+        marker = f"mp_rank_{stage:02d}"
+        for f in tag_dir.glob(f"*{marker}_*.pt"):
+            (alone / re.sub(marker, "mp_rank_00", f.name)).symlink_to(f.resolve())
+        converted = work / f"converted{stage}"
+        _convert(alone, converted)
+        # Parameter directories are disjoint across stages; the common optimizer state
+        # (hyperparameters, which the engine sets from our config anyway) is stage 0's.
+        shutil.copytree(converted / "zero", merged / "zero", dirs_exist_ok=True)
+        states = torch.load(converted / MODEL_STATES.format(stage=0), weights_only=False)
+        _merge_model_states(model_states, states)
+    # One file for the whole model: DeepSpeed checks the file count against this.
+    model_states["mp_world_size"] = 1
+    torch.save(model_states, merged / MODEL_STATES.format(stage=0))
+
+
+def _merge_model_states(into: dict, states: dict) -> None:
+    """One model-states dict holding every stage's weights and parameter shapes."""
+    if not into:
+        into.update(states)
+        into["module"] = dict(states["module"])
+        into["param_shapes"] = [dict(group) for group in states["param_shapes"]]
+        return
+    into["module"].update(states["module"])
+    for group, more in zip(into["param_shapes"], states["param_shapes"], strict=True):
+        group.update(more)
+
+
+def _convert(input_dir: Path, output_dir: Path) -> None:
+    from deepspeed.checkpoint import ds_to_universal
+
+    log.info("converting %s to a universal checkpoint", input_dir)
+    args = SimpleNamespace(
+        input_folder=str(input_dir),
+        output_folder=str(output_dir),
+        num_extract_workers=1,
+        num_merge_workers=1,
+        keep_temp_folder=False,
+        strict=True,
+        # ZeRO-1/2 checkpoints lack state the converter expects; ZeRO-3 ones have it.
+        inject_missing_state=True,
+    )
+    ds_to_universal.main(args)

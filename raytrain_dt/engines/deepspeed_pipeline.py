@@ -1,0 +1,151 @@
+"""DeepSpeed ZeRO-1 under pipeline parallelism: our pipeline stages, DeepSpeed's optimizer.
+
+The model is cut into stages by `parallel/pipeline.py` and driven by the same torch schedule
+(GPipe, 1F1B or interleaved) as under FSDP2. DeepSpeed wraps this rank's stages (one
+`StageUnion`, under the full model's parameter names) and shards their AdamW state over the DP
+group of the stage: ZeRO-1, as DeepSpeed's own pipeline engine does it. ZeRO-2/3 are refused
+with pipelines (`topology.planner.engine_refusal`): they would reduce or gather every stage's
+gradients and parameters per micro-batch.
+
+To DeepSpeed one optimizer step is a single micro-batch of everything this DP rank reads
+(gradient accumulation 1): the schedule runs the real micro-batches and their backward outside
+DeepSpeed, accumulating full gradients as ZeRO-1 does, and the boundary reduce-scatter, the
+clipping and the sharded step are DeepSpeed's. The groups come from our device mesh through
+DeepSpeed's `mpu` protocol: DP is the stage's data-parallel group, "model parallel" is the
+pipeline group (the gradient norm sums over it; it also numbers the checkpoint files, one set
+per stage).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.engines.base import StepResult
+from raytrain_dt.engines.deepspeed_engine import (
+    DeepSpeedEngine,
+    deepspeed_config,
+    initialize_deepspeed,
+)
+from raytrain_dt.engines.optim import apply_lr_schedule
+from raytrain_dt.models.spec import ModelSpec, llama_spec
+from raytrain_dt.parallel.pipeline import (
+    Pipeline,
+    StageUnion,
+    gather_stage_dicts,
+    shared_pipeline_loss,
+    split_model,
+)
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.worker.device import DeviceSpec
+
+
+class PipelineGroups:
+    """DeepSpeed's `mpu`: the process groups of one rank of a pp x DP mesh (no TP)."""
+
+    def __init__(self, mesh: DeviceMesh):
+        self._dp = mesh["dp"].get_group()
+        self._pp = mesh["pp"].get_group()
+
+    def get_data_parallel_group(self):
+        return self._dp
+
+    def get_data_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._dp)
+
+    def get_data_parallel_rank(self) -> int:
+        return dist.get_rank(self._dp)
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self._dp)
+
+    # "Model parallel" is the pipeline: stages hold disjoint parameters.
+    def get_model_parallel_group(self):
+        return self._pp
+
+    def get_model_parallel_world_size(self) -> int:
+        return dist.get_world_size(self._pp)
+
+    def get_model_parallel_rank(self) -> int:
+        return dist.get_rank(self._pp)
+
+    # No tensor parallelism: every stage counts all its parameters in the gradient norm.
+    def get_tensor_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_tensor_model_parallel_world_size(self) -> int:
+        return 1
+
+
+def pipeline_deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> dict:
+    """`deepspeed_config` with one DeepSpeed micro-batch per optimizer step (see module doc)."""
+    config = deepspeed_config(cfg, layout, device)
+    config["train_micro_batch_size_per_gpu"] = layout.micro_batch * layout.grad_accum
+    config["gradient_accumulation_steps"] = 1
+    return config
+
+
+class DeepSpeedPipelineEngine(DeepSpeedEngine):
+    """DeepSpeedEngine's checkpoints and state, with a pipeline schedule for the step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        layout: Layout,
+        mesh: DeviceMesh,
+        device: DeviceSpec,
+        spec: ModelSpec | None = None,
+    ):
+        self.cfg = cfg
+        self.layout = layout
+        self.device = device
+        if layout.padded_slots:
+            raise ValueError(f"{layout.describe()}: pipeline stages need an exact global batch")
+        spec = spec or llama_spec(model.shape)
+        self.ds_config = pipeline_deepspeed_config(cfg, layout, device)
+        pp_mesh = mesh["pp"]
+        self._pp_group = pp_mesh.get_group()
+        parts = split_model(model, layout, pp_mesh.get_local_rank(), spec)
+        if layout.activation_checkpointing:
+            from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
+
+            for part in parts:
+                apply_activation_checkpointing(part, spec.blocks(part))
+        union = StageUnion(parts, spec.parts)
+        self._names = [name for name, _ in union.named_parameters(remove_duplicate=False)]
+        self.engine, self.optimizer = initialize_deepspeed(
+            union, cfg, self.ds_config, device, mpu=PipelineGroups(mesh)
+        )
+        # The stages share their modules with the union DeepSpeed now manages (it moved and
+        # flattened their parameters in place), so the schedule is built only now.
+        self.pipeline = Pipeline(
+            parts, layout, self._pp_group, pp_mesh.get_local_rank(), self.engine.device,
+            spec.loss_fn(),
+        )  # fmt: skip
+        self._dp_group = mesh["dp"].get_group()
+
+    def train_step(
+        self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
+    ) -> StepResult:
+        """One schedule step and one DeepSpeed step; `real` is unused (no padded rows: the
+        layout is refused at construction)."""
+        t = self.cfg.trainer
+        lr = apply_lr_schedule(self.optimizer, t, step)
+        tokens = [m.to(self.engine.device) for m in micro_batches]
+        loss = shared_pipeline_loss(self.pipeline, tokens, self._pp_group)
+        # Backward ran outside DeepSpeed, as in its own pipeline engine: reduce the accumulated
+        # gradients into this rank's partition, then clip and step it.
+        self.optimizer.reduce_gradients(pipeline_parallel=True)
+        self.engine.step()
+        grad_norm = float(self.engine.get_global_grad_norm())
+        # Every micro-batch has the same number of tokens: the mean of the DP ranks' means.
+        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._dp_group)
+        return StepResult(loss=float(loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master parameters of every stage by name (collective over DP and pp)."""
+        return gather_stage_dicts(super().full_state_dict(), self._pp_group)

@@ -1,0 +1,133 @@
+"""What the user may fix of a layout, and what no layout may be: `LayoutPins` from the config,
+`validate_pins` (a one-line ConfigError naming the key for a pin nothing can honour) and
+`engine_refusal` (the degree combinations an engine cannot run). The planner searches only
+inside these bounds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.topology.layout import Topology
+
+
+@dataclass(frozen=True)
+class LayoutPins:
+    """Choices fixed by the user; None means the planner decides."""
+
+    tp: int | None = None
+    pp: int | None = None
+    dp_replicate: int | None = None
+    dp_shard: int | None = None
+    zero_stage: int | None = None
+    micro_batch: int | None = None
+    grad_accum: int | None = None
+    activation_checkpointing: bool | None = None
+    offload_optimizer: bool | None = None
+    sequence_parallel: bool | None = None
+    pp_schedule: str | None = None
+    virtual_stages: int | None = None
+    grad_sync: str | None = None  # final / every; None: the planner chooses
+
+    @classmethod
+    def from_config(cls, cfg) -> LayoutPins:
+        """Pins from a `TrainConfig`. Boolean switches default to False in the config, so only
+        True pins them; False leaves the choice to the planner."""
+        p, e, t = cfg.parallel, cfg.engine, cfg.trainer
+        flag = {
+            "activation_checkpointing": t.activation_checkpointing,
+            "offload_optimizer": e.offload_optimizer,
+        }
+        return cls(
+            tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
+            zero_stage=e.zero_stage, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
+            pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages,
+            grad_sync=None if e.grad_sync == "auto" else e.grad_sync,
+            # Pinned both ways: a layout may only claim sequence parallelism the engine applies.
+            sequence_parallel=p.sequence_parallel,
+            **{k: True if v else None for k, v in flag.items()},
+        )  # fmt: skip
+
+
+_POSITIVE_PINS = {
+    "tp": "parallel.tp", "pp": "parallel.pp", "dp_replicate": "parallel.dp_replicate",
+    "dp_shard": "parallel.dp_shard", "micro_batch": "trainer.micro_batch",
+    "grad_accum": "trainer.grad_accum", "virtual_stages": "parallel.virtual_stages",
+}  # fmt: skip
+
+
+def engine_refusal(
+    engine: str, tp: int | None, pp: int | None, zero_stage: int | None
+) -> str | None:
+    """Why `engine` cannot run these degrees, as one line naming the config keys; None if it can.
+
+    DeepSpeed runs ZeRO data parallelism, and ZeRO-1 under pipeline parallelism (our pipeline
+    schedules, every `parallel.pp_schedule`; DeepSpeed shards each stage's optimizer over its
+    DP group, as its own pipeline engine does). No tensor parallelism, and no ZeRO-2/3 with a
+    pipeline: they would reduce or gather every stage's gradients and parameters per
+    micro-batch. ZeRO-0 with a pipeline is not implemented: ZeRO-1 moves the same gradient
+    volume per step and holds less. An unpinned zero_stage (None) is the planner's to choose.
+    """
+    if engine != "deepspeed":
+        return None
+    if (tp or 1) > 1:
+        return (
+            f"parallel.tp: {tp} is not supported with engine.name=deepspeed (ZeRO data and "
+            "pipeline parallelism only); use engine.name=fsdp2 for tensor parallelism"
+        )
+    if (pp or 1) > 1 and zero_stage is not None and zero_stage != 1:
+        return (
+            f"engine.zero_stage: {zero_stage} cannot be combined with parallel.pp={pp} under "
+            "engine.name=deepspeed: pipeline parallelism runs with ZeRO-1 only"
+        )
+    return None
+
+
+def validate_pins(
+    shape: ModelShape, topo: Topology, pins: LayoutPins, global_batch: int, engine: str
+) -> None:
+    """ConfigError naming the config key for a pin no layout could honour."""
+    for attr, key in _POSITIVE_PINS.items():
+        value = getattr(pins, attr)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ConfigError(f"{key}: must be a positive int, got {value!r}")
+    per_node, n, gb = topo.accelerators_per_node, topo.num_accelerators, global_batch
+    tp, pp, mb, ga, z = pins.tp, pins.pp, pins.micro_batch, pins.grad_accum, pins.zero_stage
+    degrees = [(a, getattr(pins, a)) for a in ("tp", "pp", "dp_replicate", "dp_shard")]
+    degrees = [(a, v) for a, v in degrees if v is not None]
+    product = 1
+    for _, v in degrees:
+        product *= v
+    dp = (pins.dp_replicate or 1) * (pins.dp_shard or 1)
+    v, sched = pins.virtual_stages or 1, pins.pp_schedule or "1f1b"
+    # (broken, message) in order: the first broken rule is reported.
+    rules = [
+        (tp and per_node % tp,
+         f"parallel.tp: {tp} does not divide cluster accelerators per node ({per_node})"),
+        (tp and shape.n_heads % tp, f"parallel.tp: {tp} does not divide model.n_heads ({shape.n_heads})"),
+        (tp and shape.n_kv_heads % tp,
+         f"parallel.tp: {tp} does not divide model.n_kv_heads ({shape.n_kv_heads})"),
+        (pp and shape.n_layers % pp, f"parallel.pp: {pp} does not divide model.n_layers ({shape.n_layers})"),
+        (product > n, f"parallel.{degrees[-1][0] if degrees else 'tp'}: "
+         + " x ".join(f"{a}({v})" for a, v in degrees) + f" = {product} exceeds the cluster's {n} accelerators"),
+        (z not in (None, 0, 1, 2, 3), f"engine.zero_stage: {z!r} is not one of 0, 1, 2, 3"),
+        (z == 0 and (pins.dp_shard or 1) > 1,
+         f"engine.zero_stage: 0 (plain DP) needs parallel.dp_shard=1, got {pins.dp_shard}"),
+        (z == 0 and pins.offload_optimizer, "engine.offload_optimizer: needs engine.zero_stage >= 1, got 0"),
+        (mb and gb % mb, f"trainer.micro_batch: {mb} does not divide trainer.global_batch ({gb})"),
+        (ga and gb % ga, f"trainer.grad_accum: {ga} does not divide trainer.global_batch ({gb})"),
+        (mb and ga and gb % (mb * ga), f"trainer.grad_accum: micro_batch({mb}) x grad_accum({ga}) "
+         f"does not divide trainer.global_batch ({gb})"),
+        (pins.dp_replicate and pins.dp_shard and gb % dp,
+         f"parallel.dp_shard: dp = {dp} does not divide trainer.global_batch ({gb})"),
+        (v > 1 and sched != "interleaved",
+         f"parallel.virtual_stages: {v} needs parallel.pp_schedule=interleaved, got {sched}"),
+    ]  # fmt: skip
+    for broken, message in rules:
+        if broken:
+            raise ConfigError(message)
+    refusal = engine_refusal(engine, tp, pp, z)
+    if refusal:
+        raise ConfigError(refusal)
