@@ -69,7 +69,9 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
         replan_s=restart.get("replan_s", 0.0),
         reform_s=_formation_s(restart) - restart.get("checkpoint_load_s", 0.0),
         ckpt_load_s=restart.get("checkpoint_load_s", 0.0),
-        actor_start_s=max(0.0, _formation_s(grown[0]) - _formation_s(restart)) if grown else 0.0,
+        # Growth onto a joined node waits for its pre-started actors: from the node's
+        # appearance to the decision (the grow resize's detection) is their start.
+        actor_start_s=grown[0].get("detection_s", 0.0) if grown else 0.0,
         first_step_extra_s=max(0.0, first[0]["first_step_s"] - step_s[world]) if first else 0.0,
         ckpt_stall_s=statistics.median(stalls) if stalls else 0.0,
         step_s_by_world=step_s,

@@ -67,6 +67,7 @@ class GroupModel:
         self.draining: set[int] = set()
         self.lost: set[int] = set()  # drained nodes, excluded until they are gone
         self.actor_nodes: set[str] = set()
+        self.warm_at: dict[int, float] = {}  # joined nodes whose actors start ahead of need
         self.layout, self.layout_nodes, self.layout_ints = None, (), frozenset()
         self.seg: Segment | None = None
         self.step = self.samples = 0
@@ -97,7 +98,11 @@ class GroupModel:
 
     def _usable(self) -> tuple:
         if self._usable_cache is None:
-            self._usable_cache = tuple(self._info(i) for i in sorted(self.alive - self.lost))
+            alive = self.alive - self.lost
+            # As `_warm_capacity`: a node whose actors are still starting is not shown while
+            # other capacity can train (the "warm" timer asks the policy again).
+            ready = {i for i in alive if self.warm_at.get(i, 0.0) <= self.t}
+            self._usable_cache = tuple(self._info(i) for i in sorted(ready or alive))
         return self._usable_cache
 
     def _nodes_changed(self) -> None:
@@ -193,10 +198,12 @@ class GroupModel:
         self._close_segment(self.t)
         self._roll_back()
         c = self.costs
-        new_nodes = set(decision.nodes) - self.actor_nodes
+        new_nodes = {int(n[1:]) for n in set(decision.nodes) - self.actor_nodes}
         cost = c.replan_s + c.reform_s + self.planner.load_s(c, len(decision.nodes))
-        if self.strategy.cold_restart or new_nodes:
+        if self.strategy.cold_restart:
             cost += c.actor_start_s
+        elif new_nodes:  # pre-started actors cost only what is left of their start
+            cost += max(self.warm_at.get(i, self.t + c.actor_start_s) - self.t for i in new_nodes)
         self.phase, self.gen = "forming", self.gen + 1
         self.forming = decision
         self._timer(cost, "formed", decision)

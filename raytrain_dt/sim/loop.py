@@ -23,6 +23,7 @@ class Simulation(GroupModel):
         if node not in self.alive:
             return
         self.alive.discard(node)
+        self.warm_at.pop(node, None)
         self.draining.discard(node)
         self.lost.discard(node)
         self._nodes_changed()
@@ -41,6 +42,9 @@ class Simulation(GroupModel):
         if node in self.alive:
             return
         self.alive.add(node)
+        if self.strategy.prestarts_actors and self.result.formations:
+            self.warm_at[node] = self.t + self.costs.actor_start_s
+            self._timer(self.costs.actor_start_s, "warm", node)
         self._nodes_changed()
         if self.phase in ("running", "idle"):
             self._decide("ok")
@@ -85,6 +89,10 @@ class Simulation(GroupModel):
                 self._decide("ok")
         elif kind == "up":
             self._up(payload)
+        elif kind == "warm":
+            self._usable_cache = None
+            if payload in self.alive and self.phase in ("running", "idle"):
+                self._decide("ok")
         elif gen != self.gen:
             return  # a later state change made this one moot
         elif kind == "detected":

@@ -46,12 +46,16 @@ class Strategy:
     cold_restart: bool  # every formation starts every process anew
     # Samples one step of this layout trains (the global batch, unless the policy shrinks it).
     samples_per_step: Callable[[Layout], int]
+    # Actors start on a node as soon as it joins, and the policy sees it once they are up, so
+    # the growth that follows pays no actor start (the coordinator's `_warm_capacity`).
+    prestarts_actors: bool = False
 
 
 def ours(planner: SimPlanner, elastic: ElasticConfig) -> Strategy:
     policy = ElasticPolicy(elastic, planner.plan_for)
     return Strategy("ours", policy.decide, uses_notice=True, live_resize=False,
-                    cold_restart=False, samples_per_step=lambda lay: lay.global_batch)  # fmt: skip
+                    cold_restart=False, samples_per_step=lambda lay: lay.global_batch,
+                    prestarts_actors=True)  # fmt: skip
 
 
 def restart(full_layout: Layout, nodes_needed: int) -> Strategy:

@@ -121,8 +121,13 @@ def test_hand_computed_notice_drains_and_loses_nothing():
 def test_policies_rank_ours_over_dp_only_over_restart_on_a_trace_with_notices():
     cfg = scale_config("llama-70b", 8, 4096, 1680)
     setup = Setup(SimPlanner(cfg), Costs(), 8, 12, cfg.elastic)
+    # A JIT checkpoint lands at the next step boundary, and a notice that arrives while a group
+    # forms is acted on once it has formed, so a notice saves every step only if it outlasts a
+    # formation, one step and a save: here up to 110 s + 95 s + 45 s (pp=10 on 10-11 nodes).
+    # (With 120 s notices, one that arrives early in an 11-node step loses that step.)
     trace = synthetic_trace(TraceSpec(nodes=12, duration_s=2 * DAY, preemptions_per_node_day=1.0,
-                                      failures_per_node_day=0.0, zone_outages_per_day=0.0))  # fmt: skip
+                                      failures_per_node_day=0.0, zone_outages_per_day=0.0,
+                                      notice_s=300.0))  # fmt: skip
     assert trace.counts()["notice"] == trace.counts()["down"] > 10
     rows = {
         name: setup.score(setup.run(name, trace, 300)) for name in ("restart", "dp_only", "ours")
