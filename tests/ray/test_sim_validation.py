@@ -22,7 +22,8 @@ KILL_STEP, ADD_STEP = 6, 8
 
 
 def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config):
-    cfg = make_config("trainer.steps=16", "checkpoint.every_steps=4", "cluster.num_ranks=null",
+    # Steps enough after the arrival for its actors to start on a busy machine (5-10 s).
+    cfg = make_config("trainer.steps=40", "checkpoint.every_steps=4", "cluster.num_ranks=null",
                       "engine.zero_stage=3", "chaos_step_delay_s=0.3", "elastic.grow_stable_s=1",
                       "elastic.hang_timeout_s=300",  # a slow start on a busy machine is no hang
                       f"chaos=[{{at_step: {KILL_STEP}, action: kill_node, target: 3}}, "

@@ -89,10 +89,10 @@ def test_jsonl_samples_are_seen_exactly_once_across_a_lost_node(
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
     (resize,) = [e for e in events if e["event"] == "resize"]
-    assert (
-        resize["old_layout"]["dims"]["world_size"],
-        resize["new_layout"]["dims"]["world_size"],
-    ) == (4, 2)
+    # The run shrinks onto the survivors: both of the other node's ranks, or one of them when
+    # the other is still stuck in a collective with the dead node and is replaced instead.
+    assert resize["old_layout"]["dims"]["world_size"] == 4
+    assert resize["new_layout"]["dims"]["world_size"] in (1, 2)
 
     (meta,) = Path(result.run_dir, "data_cache").glob("*/_dataset.json")
     packed = TokenDataset.open(meta.parent, cfg.data.seq_len)
