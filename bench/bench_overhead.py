@@ -30,7 +30,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-PRESET, SEQ_LEN, GLOBAL_BATCH = "small", 64, 2
+PRESET, SEQ_LEN, GLOBAL_BATCH = "small", 256, 2
 # Pinned so all three run the identical layout (the planner might pick another for ours).
 LAYOUT = {"dims": {"world_size": 2, "dp_shard": 2}, "zero_stage": 3,
           "micro_batch": GLOBAL_BATCH // 2, "grad_accum": 1}  # fmt: skip
