@@ -69,6 +69,8 @@ def check_report(cfg, run_dir: str | Path) -> dict:
     # starts where the last step before it ended (kept), or between the checkpoint it resumed
     # from and the failure (when the steps after that checkpoint were discarded).
     for r in of("recovery"):
+        if any(r["step"] in e["dropped_steps"] for e in of("rewind") if e["time"] > r["time"]):
+            continue  # a later fault discarded its first step: the metrics hold the retrained one
         started = line[r["step"]]["time"] - line[r["step"]]["step_time_s"]
         stopped = started - r["recovery_s"]
         form = max((e for e in formations if e["time"] < started + 1.0), key=lambda e: e["time"])

@@ -115,6 +115,14 @@ class GroupRecovery:
         self.group.drop_spares({a.node_id for a in [*self.group.idle, *self.group.starting]}
                                - {n.node_id for n in nodes})  # fmt: skip
         self.group.collect_warm()
+        if self._recovering_on_survivors():
+            # Survivors re-form first and replacements start after its first step: a new
+            # actor's start (a Python process importing torch) would take the CPU the
+            # re-formation needs (on a shared host, or where CPUs are few). Plan for the
+            # actors there are.
+            shown = [replace(n, accelerators=min(n.accelerators, self.group.actors_on(n.node_id)))
+                     for n in nodes]  # fmt: skip
+            return tuple(n for n in shown if n.accelerators > 0)
         usable = [n for n in nodes if n.node_id not in draining]
         budget = self.cfg.cluster.num_ranks or sum(n.accelerators for n in usable)
         budget -= self.group.actor_count()
@@ -135,6 +143,13 @@ class GroupRecovery:
         shown = [replace(n, accelerators=n.accelerators - self.group.starting_on(n.node_id))
                  for n in nodes if n.node_id in survivors or not self.group.starting_on(n.node_id)]  # fmt: skip
         return tuple(n for n in shown if n.accelerators > 0)
+
+    def _recovering_on_survivors(self) -> bool:
+        """Reusable actors are being re-formed (after a failure: no layout runs) or their new
+        layout has not completed its first step."""
+        if not (self.group.slots or self.group.idle):
+            return False
+        return self.layout is None or self._formation_timer is not None
 
     @property
     def _failure_step(self) -> int:
@@ -171,7 +186,7 @@ class GroupRecovery:
         self.previous_layout, self.layout, self.layout_nodes = self.layout, None, ()
         return self._decide(self._observe(health))
 
-    def _settle(self, broken: list[dict], wait_s: float = 5.0, quiet_s: float = 0.5) -> list[dict]:
+    def _settle(self, broken: list[dict], wait_s: float = 5.0, quiet_s: float = 0.3) -> list[dict]:
         """When one rank fails, its peers fail or die within moments (a lost node's ranks die
         together). Collect them before deciding, so the plan excludes every lost node: until
         no rank runs, or nothing changed for `quiet_s` (a peer stuck in a collective with the
@@ -242,7 +257,14 @@ class GroupRecovery:
             and time.time() - self.chaos.arrived_at < CHAOS_ARRIVAL_WAIT_S
         ):
             return
-        # Nor while actors are warmed for a grow back after a rank failure.
+        # Nor before the layout has committed a checkpoint of its own (so that each fault hits
+        # a layout that has trained, and rewinds at most to its own checkpoint), nor while
+        # actors are warmed for a grow back after a rank failure.
+        if (
+            self.tracker.last_committed is None
+            and time.time() - self.last_formed_at < CHAOS_ARRIVAL_WAIT_S
+        ):
+            return
         if (self.group.starting or self.group.idle) and (
             time.time() - self.last_formed_at < CHAOS_ARRIVAL_WAIT_S
         ):

@@ -48,6 +48,18 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def import_lazy_torch_modules() -> None:
+    """Import what torch imports on first use: FSDP2's first `fully_shard` pulls in
+    torch._dynamo (about 1 s of CPU), a checkpoint load DCP's planners. Done when the actor
+    starts, this is off the path of its first formation (a warmed actor's, after an arrival
+    or as a replacement, is then as quick to build as a survivor's)."""
+    import torch._dynamo
+    import torch.distributed.checkpoint.state_dict
+    import torch.distributed.fsdp  # noqa: F401
+
+    import raytrain_dt.engines.fsdp2  # noqa: F401
+
+
 class RankWorker:
     def __init__(self, run_dir: str, actor_index: int):
         self.run_dir = Path(run_dir)
@@ -62,6 +74,8 @@ class RankWorker:
         # first step (seconds on CPU: every foreach op of the optimizer and the clipping);
         # here set-up's checkpoint load and warm-up have already filled them.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
+        # Queued first, so it runs while the coordinator is still deciding what to do with us.
+        self._torch_thread.submit(import_lazy_torch_modules)
         self._training: Future | None = None
         self._torch_thread_id = 0  # its ident, for saying where it is stuck
         self._stop = threading.Event()

@@ -109,18 +109,21 @@ def test_node_lost_before_ray_notices_is_left_out_of_the_plan(start):
 
 def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start):
     """The survivors train at once (re-planned: the dead rank's node has one started actor),
-    a replacement warms meanwhile, and the group grows back to the node once it has started
-    (just in time, at a step boundary): the dead rank does not take its node out."""
+    a replacement starts once they have completed their first step (not before: it would
+    take the CPU their re-formation needs), and the group grows back to the node once it has
+    started (just in time, at a step boundary): the dead rank does not take its node out."""
     coordinator, _, group = start(("a", "b"), "elastic.grow_stable_s=0")
     advance_until(coordinator, Running)
     train_to(coordinator, 5)
     group.kill_rank(1)
     state = coordinator.advance()
-    assert isinstance(state, Restarting)
-    assert [s.node_id for s in group.starting] == ["a"]  # the replacement, warming
+    assert isinstance(state, Restarting) and not group.starting
     assert isinstance(coordinator.advance(), Running) and coordinator.step == 4
     # Planned for the three survivors only (a: 1, b: 2): it did not wait for the replacement.
     assert state.decision.layout.dims.world_size == sum(group.formations[-1].values()) < 4
+    assert not group.starting and not group.idle  # formed, no step yet: nothing started
+    train_to(coordinator, 6)
+    assert [s.node_id for s in group.starting + group.idle] == ["a"]  # the replacement
     state = advance_until(coordinator, Draining, max_iterations=10)  # the replacement started
     assert state.decision.nodes == ("a", "b") and state.decision.checkpoint_first
     assert isinstance(coordinator.advance(), Resizing)
