@@ -1,7 +1,7 @@
 """Benchmark: the input pipeline. How long ranks wait for data, as a share of step time, and
 how fast the Ray Data pipeline delivers when drained alone against how fast training eats.
 
-(a) `raytrain-dt train` on the overhead workload (small preset, ~100 ms steps on a quiet
+(a) `raytrain-dt train` on the overhead workload (~100 ms steps on a quiet
     CPU): rank 0's `data_wait_s` (time to pull the step's micro-batches) over `step_time_s`,
     summed over the steady-state steps, median over repeats.
 (b) The same rank's pipeline (`data.pipeline.iterate_micro_batches`, same DataSlice, same
@@ -20,7 +20,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
-from bench_overhead import GLOBAL_BATCH, PINS, PRESET, SEQ_LEN
+from bench_overhead import GLOBAL_BATCH, PINS, PRESET, SEQ_LEN, workload
 
 TARGET_SHARE = 0.02
 DRAIN_ROWS = 16384  # several Ray Data blocks, so the rate is the streaming rate
@@ -28,7 +28,7 @@ DRAIN_ROWS = 16384  # several Ray Data blocks, so the rate is the streaming rate
 
 def measure_wait(steps: int, warmup: int, run_dir: Path) -> tuple[float, float]:
     """(share of step time spent waiting for data, median step time) of one run."""
-    common.run_train(run_dir, common.workload_overrides(PRESET, SEQ_LEN, steps, GLOBAL_BATCH, PINS))
+    common.run_train(run_dir, workload(steps))
     metrics = common.read_jsonl(run_dir / "metrics.jsonl")[warmup:]
     share = sum(m["data_wait_s"] for m in metrics) / sum(m["step_time_s"] for m in metrics)
     return share, statistics.median(m["step_time_s"] for m in metrics)

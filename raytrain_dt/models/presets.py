@@ -69,7 +69,7 @@ class ModelShape:
 PRESETS: dict[str, ModelShape] = {
     # ~0.4M parameters with a byte vocabulary: fast enough for CPU tests at 4 ranks.
     "tiny": ModelShape(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, vocab_size=256, ffn_hidden=176),
-    # ~20M: a step takes about 100 ms on one CPU core at micro-batch 4 x 256 (benchmarks).
+    # ~10.8M parameters: the memory benchmark's model (the overhead benchmark narrows it).
     "small": ModelShape(
         dim=384, n_layers=6, n_heads=6, n_kv_heads=6, vocab_size=256, ffn_hidden=1024
     ),
