@@ -2,21 +2,25 @@
 
 Each benchmark writes {"title", "command", "target", "cases": [ {column: value} ]}; this
 script only formats them, so the figures in the docs are always the last measured ones.
-Run: python bench/render.py
+Run: python bench/render.py [--suite-started EPOCH_S]  (`make bench` passes its start time,
+recorded in bench/results/suite.json and shown in the header)
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
 import subprocess
+import time
 from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 OUT = ROOT / "docs" / "benchmarks.md"
+SUITE = RESULTS / "suite.json"  # how long the last whole `make bench` took (not a section)
 
 
 def _machine() -> str:
@@ -58,9 +62,13 @@ def render() -> str:
         f"- Machine: {_machine()}",
         f"- Versions: Python {platform.python_version()}, {_versions()}",
         f"- Commit: {commit or 'unknown'}",
-        "",
     ]
-    for path in sorted(RESULTS.glob("*.json")):
+    if SUITE.exists():
+        suite = json.loads(SUITE.read_text())
+        lines.append(f"- Last whole `make bench`: {suite['seconds'] / 60:.1f} min "
+                     f"({suite['seconds']:.0f} s; target < 15 min), finished {suite['measured_at']}")  # fmt: skip
+    lines.append("")
+    for path in sorted(p for p in RESULTS.glob("*.json") if p != SUITE):
         record = json.loads(path.read_text())
         lines += [f"## {record.get('title', path.stem)}", ""]
         if record.get("target"):
@@ -77,6 +85,14 @@ def render() -> str:
 
 
 if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite-started", type=float, help="epoch seconds `make bench` began")
+    args = parser.parse_args()
+    if args.suite_started:
+        SUITE.write_text(json.dumps({
+            "seconds": round(time.time() - args.suite_started, 1),
+            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        }, indent=2) + "\n")  # fmt: skip
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(render())
     print(f"wrote {OUT}")
