@@ -68,6 +68,7 @@ class RankWorker:
         self.engine = None
         self.checkpointer: RankCheckpointer | None = None
         self._reports: queue.Queue = queue.Queue()
+        self._polls = 0  # calls of `poll` so far (chaos: when a reply has been received)
         # One thread does all of this actor's torch work, layout after layout: set-up, the
         # train loop, teardown. DTensor caches each op's sharding per thread (torch's
         # `LocalLRUCache`), so a loop on a thread of its own would recompute them all in its
@@ -251,6 +252,11 @@ class RankWorker:
                 deadline = time.time() + 10
                 while not self._reports.empty() and time.time() < deadline:
                     time.sleep(0.02)  # the coordinator's next poll collects them
+                # ... and has received them: its poll replies may still be in flight when the
+                # queue is empty, and die with the process. It polls again only after that.
+                drained_by = self._polls
+                while self._polls <= drained_by and time.time() < deadline:
+                    time.sleep(0.02)
                 log.warning("chaos: rank %d exits at step %d", self.spec.rank, step)
                 os._exit(1)
             if action.action == "hang_rank":
@@ -261,6 +267,7 @@ class RankWorker:
         return free_port()
 
     def poll(self) -> dict:
+        self._polls += 1
         reports = []
         while True:
             try:
