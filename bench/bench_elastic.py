@@ -67,25 +67,44 @@ def run_ours(scratch: Path) -> list[dict]:
     common.run_train(run_dir, [], recipe=our_recipe(scratch), timeout_s=900)
     events = common.read_jsonl(run_dir / "events.jsonl")
     metrics = common.read_jsonl(run_dir / "metrics.jsonl")
-    incidents, resize = [], None
+    incidents, resize, nodes = [], None, None
     for event in events:
-        if event["event"] == "resize":
-            resize = event
-        elif event["event"] == "first_step" and resize is not None:
-            old = resize["old_layout"]["dims"]["world_size"] if resize["old_layout"] else None
-            row = {"old_world": old, "new_world": resize["new_layout"]["dims"]["world_size"],
+        if event["event"] in ("start", "resize"):
+            resize, old_nodes, nodes = event, nodes, len(set(event["node_ids"]))
+        if event["event"] == "first_step" and resize is not None and resize["event"] == "resize":
+            row = {"old_world": resize["old_layout"]["dims"]["world_size"],
+                   "new_world": resize["new_layout"]["dims"]["world_size"],
+                   "old_nodes": old_nodes, "new_nodes": nodes,
                    "lost_steps": resize.get("lost_steps", 0), "reason": resize["reason"]}  # fmt: skip
             row.update({k: event[k] for k in BREAKDOWN if k in event})
             incidents.append(row)
             resize = None
     median_step = statistics.median(m["step_time_s"] for m in metrics)
-    if len(incidents) != len(INCIDENTS):
-        raise RuntimeError(f"expected {len(INCIDENTS)} re-formations, saw {len(incidents)}: "
-                           f"{[i['reason'] for i in incidents]}")  # fmt: skip
-    for (what, _), row in zip(INCIDENTS, incidents):
-        row["incident"] = what
+    labelled = {}
+    for row in incidents:
+        row["incident"] = _incident(row, labelled, max(r["new_world"] for r in incidents))
         row["median_step_s"] = median_step
-    return incidents
+        labelled[row["incident"]] = row
+    missing = [what for what, _ in INCIDENTS if what not in labelled]
+    if missing:
+        raise RuntimeError(f"no re-formation for {missing}: {[i['reason'] for i in incidents]}")
+    return labelled
+
+
+def _incident(row: dict, before: dict, full_world: int) -> str:
+    """Which fault of the chaos list a re-formation answers. A lost node may leave one
+    survivor instead of two (a survivor stuck in a collective with a dead peer is replaced);
+    its replacement then grows the group on the same node, a row of its own."""
+    failures = sum(what in ("rank death", "node loss") for what in before)
+    if row["reason"].startswith("rank failed"):
+        return "rank death" if failures == 0 else "node loss"
+    if row["reason"].startswith("preemption"):
+        return "preemption with notice"
+    if failures == 2 and row["new_nodes"] > row["old_nodes"]:
+        return "node arrival"
+    if failures == 1 and row["new_world"] == full_world:
+        return "rank death: grown back"
+    return f"{'rank death' if failures == 1 else 'node loss'}: replacement grown in"
 
 
 def run_ray_train(scratch: Path) -> dict:
@@ -118,8 +137,9 @@ def main() -> int:
     ours = [run_ours(scratch) for _ in range(args.repeats)]
     peer = run_ray_train(scratch)
     cases, ok = [], True
-    for index, (what, _) in enumerate(INCIDENTS):
-        rows = [run[index] for run in ours]
+    extra = sorted({what for run in ours for what in run} - {what for what, _ in INCIDENTS})
+    for what in [what for what, _ in INCIDENTS] + extra:
+        rows = [run[what] for run in ours if what in run]
         case = {"system": "raytrain-dt", "incident": what,
                 "resize": f"{rows[0]['old_world']} -> {rows[0]['new_world']} ranks"}  # fmt: skip
         for key in BREAKDOWN:
