@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_dt.checkpoint.storage import Location
@@ -170,7 +169,7 @@ class DeepSpeedEngine:
         if layout.activation_checkpointing:
             from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
 
-            apply_activation_checkpointing(model, spec.blocks(model))
+            apply_activation_checkpointing(model, spec.blocks(model), keep_names=True)
         self._names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
         self.engine, self.optimizer = initialize_deepspeed(model, cfg, self.ds_config, device)
         self._dp_group = mesh["dp"].get_group()
@@ -286,8 +285,7 @@ class DeepSpeedEngine:
             full = safe_get_full_fp32_param(params[name])
             # Stage 0 keeps no separate master copy: the module's parameter is it.
             value = (params[name] if full is None else full).detach().float().cpu().clone()
-            # The model's own names, as its state_dict gives them under activation checkpointing.
-            out[name.replace(_CHECKPOINT_PREFIX, "")] = value
+            out[name] = value
         return out
 
 

@@ -114,7 +114,7 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
             from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
 
             for part in parts:
-                apply_activation_checkpointing(part, spec.blocks(part))
+                apply_activation_checkpointing(part, spec.blocks(part), keep_names=True)
         union = StageUnion(parts, spec.parts)
         self._names = [name for name, _ in union.named_parameters(remove_duplicate=False)]
         self.engine, self.optimizer = initialize_deepspeed(

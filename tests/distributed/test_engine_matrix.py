@@ -225,14 +225,18 @@ def test_checkpoint_moves_between_pipeline_layouts(pool, cfg, reference, tmp_pat
     [
         (DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2xdp2"], _layout(zero=1, dp_shard=2)),
         (_layout(zero=1, dp_shard=2), DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2-1f1b"]),
+        # Activation checkpointing on one side only: the same names in DeepSpeed's files.
+        (_layout(zero=2, dp_shard=2, activation_checkpointing=True), _layout(zero=2, dp_shard=2)),
+        (DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2-interleaved+ac"], _layout(zero=1, dp_shard=2)),
     ],
-    ids=["pp2xdp2-to-dp2", "dp2-to-pp2"],
+    ids=["pp2xdp2-to-dp2", "dp2-to-pp2", "dp2+ac-to-dp2", "pp2+ac-to-dp2"],
 )
 def test_deepspeed_checkpoint_moves_across_pipeline_split(pool, cfg, reference, tmp_path, saved,
                                                           loaded):  # fmt: skip
     """DeepSpeed's own checkpoint, 3 steps in one layout and the last 2 in another (pipeline
-    split and DP size changed: the universal conversion, stage by stage): still the reference.
-    Every stage's files name parameters as the unsplit model does."""
+    split and DP size changed: the universal conversion, stage by stage; or activation
+    checkpointing dropped): still the reference. Every stage's files name parameters as the
+    unsplit model without activation checkpointing does."""
     ref_losses, ref_params = reference
     deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
     first = pool.run(deepspeed, saved, 3, checkpoint_dir=str(tmp_path))
