@@ -27,6 +27,7 @@ from raytrain_dt.control.states import (
     Running,
     State,
     Stopped,
+    Waiting,
 )
 
 log = logging.getLogger("raytrain_dt.control.coordinator")
@@ -146,8 +147,9 @@ class GroupRecovery:
 
     def _recovering_on_survivors(self) -> bool:
         """Reusable actors are being re-formed (after a failure: no layout runs) or their new
-        layout has not completed its first step."""
-        if not (self.group.slots or self.group.idle):
+        layout has not completed its first step. Not while waiting: the survivors were too
+        few to train, and the capacity they wait for must be started."""
+        if not (self.group.slots or self.group.idle) or isinstance(self.state, Waiting):
             return False
         return self.layout is None or self._formation_timer is not None
 

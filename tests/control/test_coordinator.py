@@ -22,6 +22,7 @@ from raytrain_dt.control.states import (
     Resizing,
     Restarting,
     Running,
+    Waiting,
 )
 from raytrain_dt.observe.metrics import read_jsonl
 
@@ -95,6 +96,24 @@ def test_lost_node_restarts_smaller_from_the_latest_checkpoint(start):
     train_to(coordinator, 5)
     (first,) = [e for e in events(coordinator, "first_step") if e["step"] == 5]
     assert first["total_s"] >= first["first_step_s"] > 0
+
+
+def test_below_min_nodes_waits_then_starts_actors_on_a_new_node(start):
+    """Survivors too few to train (elastic.min_nodes) wait; a node that joins meanwhile gets
+    its actors started at once (not deferred as after a failure that could re-form), and the
+    group forms on it and the survivors."""
+    coordinator, cluster, group = start(("a", "b"), "elastic.min_nodes=2",
+                                        "elastic.grow_stable_s=0")  # fmt: skip
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    cluster.node_ids.remove("b")
+    group.kill_node("b")
+    assert isinstance(coordinator.advance(), Waiting)
+    cluster.node_ids.append("c")
+    state = advance_until(coordinator, Resizing, max_iterations=5)
+    assert state.decision.nodes == ("a", "c")
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 2, "c": 2} and coordinator.step == 4
 
 
 def test_node_lost_before_ray_notices_is_left_out_of_the_plan(start):
