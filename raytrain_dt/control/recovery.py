@@ -120,9 +120,12 @@ class GroupRecovery:
             # Survivors re-form first and replacements start after its first step: a new
             # actor's start (a Python process importing torch) would take the CPU the
             # re-formation needs (on a shared host, or where CPUs are few). Plan for the
-            # actors there are.
-            shown = [replace(n, accelerators=min(n.accelerators, self.group.actors_on(n.node_id)))
-                     for n in nodes]  # fmt: skip
+            # actors that have started.
+            started = {n.node_id: self.group.actors_on(n.node_id) - self.group.starting_on(n.node_id)
+                       for n in nodes}  # fmt: skip
+            shown = [
+                replace(n, accelerators=min(n.accelerators, started[n.node_id])) for n in nodes
+            ]
             return tuple(n for n in shown if n.accelerators > 0)
         usable = [n for n in nodes if n.node_id not in draining]
         budget = self.cfg.cluster.num_ranks or sum(n.accelerators for n in usable)

@@ -49,10 +49,11 @@ def free_port() -> int:
 
 
 def import_lazy_torch_modules() -> None:
-    """Import what torch imports on first use: FSDP2's first `fully_shard` pulls in
-    torch._dynamo (about 1 s of CPU), a checkpoint load DCP's planners. Done when the actor
-    starts, this is off the path of its first formation (a warmed actor's, after an arrival
-    or as a replacement, is then as quick to build as a survivor's)."""
+    """Import what torch imports on first use: the first DTensor (FSDP2's `fully_shard`)
+    imports torch._dynamo (about 1 s of CPU; `torch/_compile.py`), a checkpoint load DCP's
+    planners. Done when the actor starts, this is off the path of its first formation (a
+    warmed actor's, after an arrival or as a replacement, then builds as fast as a
+    survivor's)."""
     import torch._dynamo
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
