@@ -130,7 +130,7 @@ def _verdict(what: str, row: dict) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=1, help="runs of ours (Ray Train: one)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs of ours (Ray Train: one)")
     args = parser.parse_args()
     scratch = common.SCRATCH / "elastic"
     scratch.mkdir(parents=True, exist_ok=True)
