@@ -25,6 +25,15 @@ from raytrain_dt.sim.segment import Segment
 from raytrain_dt.sim.trace import StepTrace, Trace
 
 
+def node_name(index: int) -> str:
+    """The simulated node's id, as the planner and the policy see it."""
+    return f"n{index:05d}"
+
+
+def node_index(name: str) -> int:
+    return int(name[1:])
+
+
 @dataclass
 class SimResult:
     policy: str
@@ -93,7 +102,7 @@ class GroupModel:
 
     def _info(self, node: int):
         if node not in self._infos:
-            self._infos[node] = self.planner.node(f"n{node:05d}", self.gpus_per_node)
+            self._infos[node] = self.planner.node(node_name(node), self.gpus_per_node)
         return self._infos[node]
 
     def _usable(self) -> tuple:
@@ -114,7 +123,7 @@ class GroupModel:
 
     def _observe(self, health: str, with_layout: bool = True) -> Observation:
         return Observation(
-            now=self.t, nodes=self._usable(), draining=frozenset(f"n{i:05d}" for i in self.draining),
+            now=self.t, nodes=self._usable(), draining=frozenset(node_name(i) for i in self.draining),
             layout=self.layout if with_layout else None, layout_nodes=self.layout_nodes,
             health=health, step=self._progress()[0], restarts=self.restarts,
             failures_at_step=self.streak.count, waiting_since=self.waiting_since,
@@ -198,7 +207,7 @@ class GroupModel:
         self._close_segment(self.t)
         self._roll_back()
         c = self.costs
-        new_nodes = {int(n[1:]) for n in set(decision.nodes) - self.actor_nodes}
+        new_nodes = {node_index(n) for n in set(decision.nodes) - self.actor_nodes}
         cost = c.replan_s + c.reform_s + self.planner.load_s(c, len(decision.nodes))
         if self.strategy.cold_restart:
             cost += c.actor_start_s
@@ -217,7 +226,7 @@ class GroupModel:
     def _formed(self, decision: Resize) -> None:
         kind = "start" if not self.result.formations else "resize"
         self.layout, self.layout_nodes = decision.layout, decision.nodes
-        self.layout_ints = frozenset(int(n[1:]) for n in decision.nodes)
+        self.layout_ints = frozenset(node_index(n) for n in decision.nodes)
         self.actor_nodes = set(decision.nodes)
         # As the coordinator does: chaos actions at or before the resumed step have fired.
         self.pending = [(i, a) for i, a in self.pending if a.at_step > self.step]
@@ -249,7 +258,7 @@ class GroupModel:
         self._close_segment(self.t, in_flight_lost=False)  # quorums change at step boundaries
         delay = self.costs.dp_reconfigure_s + (self.costs.dp_join_s if joining else 0.0)
         self.layout, self.layout_nodes = decision.layout, decision.nodes
-        self.layout_ints = frozenset(int(n[1:]) for n in decision.nodes)
+        self.layout_ints = frozenset(node_index(n) for n in decision.nodes)
         self.actor_nodes = set(decision.nodes)
         self.ckpt = (self.step, self.samples)  # nothing to roll back to: state lives on
         self._start_segment(self.t + delay, "resize", decision.reason)
@@ -261,7 +270,7 @@ class GroupModel:
         self.restarts += 1
         if not self.strategy.live_resize:  # what was not checkpointed died with the group
             self._roll_back()
-        self.actor_nodes &= {f"n{i:05d}" for i in self.alive}
+        self.actor_nodes &= {node_name(i) for i in self.alive}
         self.layout, self.layout_nodes, self.layout_ints = None, (), frozenset()
         self.phase, self.gen = "detecting", self.gen + 1
         self._timer(self.costs.detection_s, "detected")

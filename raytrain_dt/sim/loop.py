@@ -13,7 +13,7 @@ import heapq
 import math
 
 from raytrain_dt.control.placement import counts_by_node
-from raytrain_dt.sim.engine import GroupModel, SimResult
+from raytrain_dt.sim.engine import GroupModel, SimResult, node_index, node_name
 from raytrain_dt.sim.trace import DOWN, NOTICE, UP, Trace
 
 
@@ -27,7 +27,7 @@ class Simulation(GroupModel):
         self.draining.discard(node)
         self.lost.discard(node)
         self._nodes_changed()
-        name = f"n{node:05d}"
+        name = node_name(node)
         in_group = (
             name in self.forming.nodes if self.phase == "forming" else node in self.layout_ints
         )
@@ -62,9 +62,9 @@ class Simulation(GroupModel):
                                 [(n, self.gpus_per_node) for n in self.layout_nodes])  # fmt: skip
         for name in sorted(counts):
             if rank < counts[name]:
-                return int(name[1:])
+                return node_index(name)
             rank -= counts[name]
-        return int(max(counts)[1:])
+        return node_index(max(counts))
 
     def _fire_step_actions(self) -> None:
         s = self.seg.steps_at(self.t)

@@ -16,7 +16,7 @@ from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.errors import UserError
 from raytrain_dt.sim import policies
 from raytrain_dt.sim.costs import Costs
-from raytrain_dt.sim.engine import SimResult
+from raytrain_dt.sim.engine import SimResult, node_name
 from raytrain_dt.sim.loop import Simulation
 from raytrain_dt.sim.planner import SimPlanner
 from raytrain_dt.sim.trace import StepTrace, Trace
@@ -49,7 +49,9 @@ class Setup:
     elastic: ElasticConfig
 
     def __post_init__(self) -> None:
-        every = tuple(self.planner.node(f"n{i:05d}", self.gpus_per_node) for i in range(self.nodes))
+        every = tuple(
+            self.planner.node(node_name(i), self.gpus_per_node) for i in range(self.nodes)
+        )
         self.best = self.planner.plan_for(every)
         if self.best is None:
             raise UserError(f"--nodes: no layout of the model fits on {self.nodes} nodes")
