@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 import common
+from cpu_accounting import CpuSampler
 
 SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 50, 5
 STEP_DELAY_S = 0.1  # both systems: lets each fault play out before the next one
@@ -62,21 +64,27 @@ def our_recipe(scratch: Path) -> str:
     return str(path)
 
 
-def run_ours(scratch: Path) -> list[dict]:
+def run_ours(scratch: Path) -> dict[str, dict]:
     run_dir = scratch / "ours"
-    common.run_train(run_dir, [], recipe=our_recipe(scratch), timeout_s=900)
+    with CpuSampler() as cpu:
+        common.run_train(run_dir, [], recipe=our_recipe(scratch), timeout_s=900)
     events = common.read_jsonl(run_dir / "events.jsonl")
     metrics = common.read_jsonl(run_dir / "metrics.jsonl")
-    incidents, resize, nodes = [], None, None
+    incidents, resize, nodes, pids, decided = [], None, None, [], 0.0
     for event in events:
+        if event["event"] == "decision":
+            decided = event["time"]
         if event["event"] in ("start", "resize"):
             resize, old_nodes, nodes = event, nodes, len(set(event["node_ids"]))
+            old_pids, pids = pids, event["pids"]
         if event["event"] == "first_step" and resize is not None and resize["event"] == "resize":
             row = {"old_world": resize["old_layout"]["dims"]["world_size"],
                    "new_world": resize["new_layout"]["dims"]["world_size"],
                    "old_nodes": old_nodes, "new_nodes": nodes,
                    "lost_steps": resize.get("lost_steps", 0), "reason": resize["reason"]}  # fmt: skip
             row.update({k: event[k] for k in BREAKDOWN if k in event})
+            row["cpu"] = _cpu_split(cpu, event["time"] - event["total_s"], decided, event["time"],
+                                    set(old_pids), set(pids))  # fmt: skip
             incidents.append(row)
             resize = None
     median_step = statistics.median(m["step_time_s"] for m in metrics)
@@ -89,6 +97,36 @@ def run_ours(scratch: Path) -> list[dict]:
     if missing:
         raise RuntimeError(f"no re-formation for {missing}: {[i['reason'] for i in incidents]}")
     return labelled
+
+
+def _cpu_split(cpu: CpuSampler, cause: float, decided: float, first_step: float,
+               old_pids: set[int], new_pids: set[int]) -> dict[str, float]:  # fmt: skip
+    """CPU seconds on this host from a re-formation's cause to its first step, by who spent
+    them: the ranks that join (their start, imports, set-up and first step), the survivors
+    before the decision (training at the old size) and after it (drain, re-form, load, first
+    step), Ray's other workers (Ray Data's tasks among them), and the rest (Ray's own processes,
+    the driver, this benchmark). `floor_s` is the joining ranks' and the survivors' post-decision
+    work spread over every core: no schedule could finish the re-formation sooner here."""
+    before, after = cpu.cpu_seconds(cause, decided), cpu.cpu_seconds(decided, first_step)
+    whole = cpu.cpu_seconds(cause, first_step)
+    joining = new_pids - old_pids
+    survivors = new_pids & old_pids
+    split = {
+        "joining_ranks": sum(whole.get(p, 0.0) for p in joining),
+        "survivors_before_decision": sum(before.get(p, 0.0) for p in survivors),
+        "survivors_after_decision": sum(after.get(p, 0.0) for p in survivors),
+        # Ray's other workers: Ray Data's tasks (the new layout's input), idle and stats ones.
+        "other_ray_workers": sum(
+            s
+            for p, s in whole.items()
+            if p not in new_pids and cpu.names.get(p, "").startswith("ray::")
+        ),
+    }
+    split["ray_system_and_driver"] = sum(whole.values()) - sum(split.values())
+    split["floor_s"] = (split["joining_ranks"] + split["survivors_after_decision"]) / (
+        os.cpu_count() or 1
+    )
+    return split
 
 
 def _incident(row: dict, before: dict, full_world: int) -> str:
@@ -105,6 +143,33 @@ def _incident(row: dict, before: dict, full_world: int) -> str:
     if failures == 1 and row["new_world"] == full_world:
         return "rank death: grown back"
     return f"{'rank death' if failures == 1 else 'node loss'}: replacement grown in"
+
+
+def idle_actor_start(count: int = 2) -> dict[str, float]:
+    """Seconds for `count` rank actors started at once on an otherwise idle host (a node that
+    brings its own cores) to be up (`where` answered: torch imported) and warmed (the lazy
+    imports done): the part of a node arrival that, on this benchmark's shared host, competes
+    with everything else."""
+    import time
+
+    import ray
+
+    from raytrain_dt.worker.rank_actor import RankWorker
+
+    ray.init(num_cpus=count, include_dashboard=False, log_to_driver=False)
+    try:
+        ray.get(ray.remote(lambda: None).remote())  # the driver's own start is not counted
+        started = time.time()
+        actor_cls = ray.remote(RankWorker)
+        actors = [actor_cls.remote(str(common.SCRATCH / "elastic" / "idle_actors"), i)
+                  for i in range(count)]  # fmt: skip
+        inits = ray.get([a.where.remote() for a in actors])
+        up = time.time() - started
+        warmed = ray.get([a.warmed.remote() for a in actors])
+        done = max(w + i["init_at"] for w, i in zip(warmed, inits, strict=True)) - started
+        return {"actors": count, "up_s": round(up, 2), "warmed_s": round(done, 2)}
+    finally:
+        ray.shutdown()
 
 
 def run_ray_train(scratch: Path) -> dict:
@@ -134,6 +199,7 @@ def main() -> int:
     args = parser.parse_args()
     scratch = common.SCRATCH / "elastic"
     scratch.mkdir(parents=True, exist_ok=True)
+    idle_start = idle_actor_start()
     ours = [run_ours(scratch) for _ in range(args.repeats)]
     peer = run_ray_train(scratch)
     cases, ok = [], True
@@ -161,6 +227,12 @@ def main() -> int:
                   "resize": "grew back" if peer["grew_back"] else
                   f"did not grow back within {peer['grow_window_s']} s",
                   "total_s": round(peer["grow_s"], 3) if peer["grew_back"] else "none"})  # fmt: skip
+    arrival_cpu = [
+        {"run": i + 1, "total_s": round(run["node arrival"]["total_s"], 2),
+         "target_s": round(5 + run["node arrival"]["median_step_s"], 2),
+         **{k: round(v, 2) for k, v in run["node arrival"]["cpu"].items()}}
+        for i, run in enumerate(ours)
+    ]  # fmt: skip
     ratio = peer["recovery_s"] / ours_node_loss if peer.get("recovered") else None
     cases.append({"system": "ray-train / raytrain-dt", "incident": "node loss recovery",
                   "total_s": round(ratio, 1) if ratio else "n/a (Ray Train did not recover)"})  # fmt: skip
@@ -179,6 +251,13 @@ def main() -> int:
                f"first step at the smaller size; fit error: {peer.get('fit_error')}; 1-min load "
                f"average at the end {common.load_average():.1f}"),
         ray_train=peer,
+        tables=[{"title": "Node arrival: this host's CPU seconds from the arrival to the first "
+                          "step at the larger size, by who spent them (floor_s: the joining "
+                          "ranks' and the survivors' post-decision work over all "
+                          f"{os.cpu_count()} cores)", "cases": arrival_cpu},
+                {"title": "Rank actors started at once on an idle host (no training, no other "
+                          "node starting): up = torch imported, warmed = lazy imports done",
+                 "cases": [idle_start]}],
     )  # fmt: skip
     rt = f"{peer['recovery_s']:.1f}s" if peer.get("recovered") else "no recovery"
     print(f"elastic: rank death {cases[0]['total_s']:.2f}s, node loss {ours_node_loss:.2f}s, node "

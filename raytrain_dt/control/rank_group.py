@@ -170,7 +170,12 @@ class RankGroup:
                 (failed if time.time() - actor.since > give_up_s else still).append(actor)
                 continue
             try:
-                self.idle.append(_started_slot(actor, ray.get(actor.where)))
+                where = ray.get(actor.where)
+                self.idle.append(_started_slot(actor, where))
+                # A slow start here (a process importing torch) is what delays a growth.
+                log.info("actor %d on node %s up after %.2fs (imported torch by +%.2fs)",
+                         where["actor_index"], actor.node_id[:12], time.time() - actor.since,
+                         where["init_at"] - actor.since)  # fmt: skip
             except Exception as exc:  # died while starting (with its node, most likely)
                 log.warning("an actor warming on node %s died: %s", actor.node_id[:12], exc)
                 failed.append(actor)

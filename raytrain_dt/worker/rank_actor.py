@@ -53,16 +53,23 @@ def import_lazy_torch_modules() -> None:
     imports torch._dynamo (about 1 s of CPU; `torch/_compile.py`), a checkpoint load DCP's
     planners. Done when the actor starts, this is off the path of its first formation (a
     warmed actor's, after an arrival or as a replacement, then builds as fast as a
-    survivor's)."""
+    survivor's). Then freezes the garbage collector's view of what was imported."""
     import torch._dynamo
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
 
     import raytrain_dt.engines.fsdp2  # noqa: F401
 
+    # Everything imported so far (torch, Ray: ~350k objects) lives as long as the
+    # process: move it out of the collector's sight. A teardown's full collection, which frees
+    # the old layout's model and optimizer, then scans only what layouts created (0.6 s before,
+    # about 0.2 s after, on a busy 2-core host; on the path of every re-formation).
+    gc.freeze()
+
 
 class RankWorker:
     def __init__(self, run_dir: str, actor_index: int):
+        self._init_at = time.time()
         self.run_dir = Path(run_dir)
         self.actor_index = actor_index
         self.spec: RankSpec | None = None
@@ -77,7 +84,7 @@ class RankWorker:
         # here set-up's checkpoint load and warm-up have already filled them.
         self._torch_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="train")
         # Queued first, so it runs while the coordinator is still deciding what to do with us.
-        self._torch_thread.submit(import_lazy_torch_modules)
+        self._torch_thread.submit(self._import_lazy_torch_modules)
         self._training: Future | None = None
         self._torch_thread_id = 0  # its ident, for saying where it is stuck
         self._stop = threading.Event()
@@ -92,6 +99,16 @@ class RankWorker:
         root.addHandler(handler)
         root.setLevel(logging.INFO)
 
+    def _import_lazy_torch_modules(self) -> None:
+        started = time.perf_counter()
+        import_lazy_torch_modules()
+        log.info("actor %d: torch's lazy modules imported in %.2fs (%.2fs after __init__)",
+                 self.actor_index, time.perf_counter() - started, time.time() - self._init_at)  # fmt: skip
+
+    def warmed(self) -> float:
+        """Waits for the imports queued at start; returns the seconds since `__init__`."""
+        return self._torch_thread.submit(time.time).result() - self._init_at
+
     # --- discovery ---------------------------------------------------------------------------
     def where(self) -> dict:
         import ray
@@ -99,6 +116,7 @@ class RankWorker:
         ctx = ray.get_runtime_context()
         return {
             "actor_index": self.actor_index,
+            "init_at": self._init_at,  # when __init__ ran: the process is up, torch imported
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
