@@ -21,19 +21,34 @@ from raytrain_dt.sim.trace import StepTrace
 KILL_STEP, ADD_STEP = 6, 8
 
 
-def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config):
+def _real_run(make_config, cluster, run_dir):
     # Steps enough after the arrival for its actors to start on a busy machine (5-10 s).
     cfg = make_config("trainer.steps=40", "checkpoint.every_steps=4", "cluster.num_ranks=null",
                       "engine.zero_stage=3", "chaos_step_delay_s=0.3", "elastic.grow_stable_s=1",
                       "elastic.hang_timeout_s=300",  # a slow start on a busy machine is no hang
                       f"chaos=[{{at_step: {KILL_STEP}, action: kill_node, target: 3}}, "
-                      f"{{at_step: {ADD_STEP}, action: add_node}}]")  # fmt: skip
+                      f"{{at_step: {ADD_STEP}, action: add_node}}]",
+                      run_dir=run_dir)  # fmt: skip
     nodes = alive_nodes(SIMULATED_ACCELERATOR)
-    memory = min(n.memory_bytes for n in nodes)
-    result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
+    result = train(cfg, simulated_cluster=cluster, show_progress=False)
     assert result.final_step == cfg.trainer.steps
+    return cfg, nodes, result, read_jsonl(f"{result.run_dir}/events.jsonl")
 
-    events = read_jsonl(f"{result.run_dir}/events.jsonl")
+
+def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_path):
+    for attempt in range(2):
+        cfg, nodes, result, events = _real_run(
+            make_config, restore_nodes, tmp_path / f"run{attempt}"
+        )
+        worlds = [e["new_layout"]["dims"]["world_size"] for e in events
+                  if e["event"] in ("start", "resize")]  # fmt: skip
+        # A survivor blocked in a collective with a failed (but living) peer is replaced, not
+        # reused: gloo waits out its timeout. The node loss then leaves one rank, an outcome of
+        # the moment the node died that the simulator does not model (see
+        # tests/ray/test_elastic.py); such a run is run once more.
+        if worlds[1] != 1:
+            break
+    memory = min(n.memory_bytes for n in nodes)
     real_layouts = [e["new_layout"] for e in events if e["event"] in ("start", "resize")]
     costs = costs_from_run(result.run_dir, add_step=ADD_STEP)
     planner = SimPlanner(cfg, resource=SIMULATED_ACCELERATOR, node_memory_bytes=memory)
