@@ -363,9 +363,14 @@ def _forget_layout_caches() -> None:
     torch thread, the one that ran every DTensor op of the layout."""
 
     from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
     from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache
 
     _clear_fast_path_sharding_prop_cache()
+    # Redistribution planners are kept in a dict keyed by a weak reference to their mesh, but
+    # each planner holds the mesh itself: without this the old meshes, and through them the
+    # old layout's process groups (open connections and threads), lived on after teardown.
+    clear_redistribute_planner_cache()
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]
