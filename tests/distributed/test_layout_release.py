@@ -1,0 +1,92 @@
+"""A reused rank actor frees its layout's process groups when it leaves the layout (no Ray).
+
+Two spawned processes each make a `RankWorker`, and on its torch thread, as the actor does,
+build the FSDP2 engine over a dp_shard=2 x dp_replicate=1 mesh, train one step, then run the
+actor's own `_release_layout`. Every group the mesh created must then be gone: a group kept alive
+keeps its gloo connections open, so a peer blocked in a collective with a failed rank waits out
+the collective timeout instead of failing at once, and every re-formation leaks sockets and
+threads (DTensor's redistribute-planner cache held the meshes until `_forget_layout_caches`
+cleared it).
+"""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank(rank: int, port: int, cfg, run_dir: str, out) -> None:
+    try:
+        out.put(_release_after_a_step(rank, port, cfg, run_dir))
+    except BaseException:
+        import traceback
+
+        out.put((rank, traceback.format_exc()))
+
+
+def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int, int, int]:
+    import datetime
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from raytrain_dt.engines.factory import build_engine
+    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.topology.layout import Layout
+    from raytrain_dt.topology.parallel_dims import ParallelDims
+    from raytrain_dt.worker.device import select_device
+    from raytrain_dt.worker.rank_actor import RankWorker
+
+    torch.set_num_threads(1)
+    worker = RankWorker(run_dir, rank)
+    layout = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 1)
+
+    def build_and_step() -> list:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        mesh = layout.dims.build_mesh("cpu")
+        spec = model_spec(cfg)
+        model = spec.build(cfg.data.seq_len, cfg.run.seed)
+        worker.engine = build_engine(model, cfg, layout, mesh, select_device("fp32"), spec)
+        tokens = torch.randint(0, 256, (2, cfg.data.seq_len))  # any ids the vocabulary has
+        worker.engine.train_step([tokens], 0, [torch.ones(2, dtype=torch.bool)])
+        default = c10d._get_default_group()
+        return [weakref.ref(pg) for pg in c10d._world.pg_map if pg is not default]
+
+    groups = worker._torch_thread.submit(build_and_step).result()
+    worker._torch_thread.submit(worker._release_layout).result()
+    return rank, len(groups), sum(ref() is not None for ref in groups)
+
+
+@pytest.mark.timeout(180)
+def test_release_frees_the_layouts_process_groups(token_data, tmp_path):
+    from conftest import REPO
+
+    from raytrain_dt.config import load_config
+
+    cfg = load_config(REPO / "conf" / "test.yaml",
+                      [f"data.path={token_data}", f"run.dir={tmp_path}", "model.n_layers=2"])  # fmt: skip
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_rank, args=(r, port, cfg, str(tmp_path), out)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = sorted(out.get(timeout=150) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=30)
+    errors = [r for r in results if len(r) == 2]
+    assert not errors, errors
+    for rank, created, alive in results:
+        assert created >= 3, (rank, created)  # the mesh's dimension and flattened groups
+        assert alive == 0, f"rank {rank}: {alive} of {created} process groups outlived teardown"
