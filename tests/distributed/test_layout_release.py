@@ -85,6 +85,8 @@ def test_release_frees_the_layouts_process_groups(token_data, tmp_path):
     results = sorted(out.get(timeout=150) for _ in procs)
     for proc in procs:
         proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
     errors = [r for r in results if len(r) == 2]
     assert not errors, errors
     for rank, created, alive in results:

@@ -42,9 +42,9 @@ def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_pa
         )
         worlds = [e["new_layout"]["dims"]["world_size"] for e in events
                   if e["event"] in ("start", "resize")]  # fmt: skip
-        # A survivor blocked in a collective with a failed (but living) peer is replaced, not
-        # reused: gloo waits out its timeout. The node loss then leaves one rank, an outcome of
-        # the moment the node died that the simulator does not model (see
+        # A survivor still blocked in a collective with a failed (but living) peer when the
+        # teardown's grace ends is replaced, not reused. The node loss then leaves one rank,
+        # an outcome of the moment the node died that the simulator does not model (see
         # tests/ray/test_elastic.py); such a run is run once more.
         if worlds[1] != 1:
             break
