@@ -108,7 +108,7 @@ def _cpu_split(cpu: CpuSampler, cause: float, decided: float, first_step: float,
     the driver, this benchmark). `floor_s` is the joining ranks' and the survivors' post-decision
     work spread over every core: no schedule could finish the re-formation sooner here."""
     before, after = cpu.cpu_seconds(cause, decided), cpu.cpu_seconds(decided, first_step)
-    whole = cpu.cpu_seconds(cause, first_step)
+    whole = {p: before.get(p, 0.0) + after.get(p, 0.0) for p in before.keys() | after.keys()}
     joining = new_pids - old_pids
     survivors = new_pids & old_pids
     split = {
