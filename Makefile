@@ -13,6 +13,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_SPEC)
 	$(PY) -m pip install --quiet -e ".[test]"
+	# The emulated accelerator (cluster.device=emulated, CPU CI's stand-in for CUDA + NCCL) is a
+	# C++ torch extension: built once here (~15 s), so no test or run pays for it.
+	$(PY) -m raytrain_dt.accel.emulated.build
 	touch $@
 
 install: $(VENV)/.installed

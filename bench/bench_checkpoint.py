@@ -38,6 +38,7 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     import torch
     import torch.distributed as dist
 
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.config.schema import TrainConfig
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
     from raytrain_dt.models.llama import build_model
@@ -45,7 +46,6 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer
-    from raytrain_dt.worker.device import select_device
 
     # One intra-op thread per rank, as inside the Ray actors (Ray sets OMP_NUM_THREADS=1).
     torch.set_num_threads(1)

@@ -99,10 +99,10 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
     import torch
     import torch.distributed as dist
 
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.control.run_setup import model_shape
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.llama import build_model
-    from raytrain_dt.worker.device import select_device
 
     cfg, layout = make_config(engine_name), make_layout(zero, degrees)
     dims = layout.dims

@@ -29,6 +29,7 @@ def train_fn(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.config import load_config
     from raytrain_dt.control.run_setup import model_shape
     from raytrain_dt.data.order import rank_positions, sample_ids
@@ -37,7 +38,6 @@ def train_fn(config: dict) -> None:
     from raytrain_dt.models.llama import build_model
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
-    from raytrain_dt.worker.device import select_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = load_config(config["recipe"], config["overrides"])

@@ -23,6 +23,7 @@ def train_fn(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.config import load_config
     from raytrain_dt.control.run_setup import model_shape
     from raytrain_dt.data.order import sample_ids
@@ -31,7 +32,6 @@ def train_fn(config: dict) -> None:
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.llama import build_model
     from raytrain_dt.topology.layout import Layout
-    from raytrain_dt.worker.device import select_device
 
     started = time.perf_counter()
     if not dist.is_initialized():  # under torchrun; Ray Train has initialised it already

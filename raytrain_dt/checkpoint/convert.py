@@ -132,9 +132,9 @@ def write_fsdp2(uri: str, state: FullState, step: float, shape: ModelShape, cfg:
 
 # --- DeepSpeed -----------------------------------------------------------------------------------
 def _deepspeed_engine(shape: ModelShape, cfg: TrainConfig, layout: Layout):
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
     from raytrain_dt.models.llama import build_model
-    from raytrain_dt.worker.device import select_device
 
     device = select_device("fp32")  # master weights and Adam moments are fp32 in both formats
     mesh = layout.dims.build_mesh(device.device_type)

@@ -57,7 +57,7 @@ def train_state_record(spec, step: int, consumed: int, tensors: dict[str, list[i
         # settings and the step are its whole state.
         "lr_scheduler": {"kind": "warmup_cosine", **schedule, "next_lr": lr_at(step, **schedule)},
         "rng": {
-            "kind": "torch.get_rng_state",
+            "kind": "torch.get_rng_state + accelerator get_rng_state",
             "files": f"{RNG_DIR}/rank_<r>.pt",
             "seed": cfg.run.seed,
         },

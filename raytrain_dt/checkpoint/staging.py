@@ -52,10 +52,13 @@ class ReusableStager(AsyncStager):
         return self._executor.submit(self._copy, copies)
 
     def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+        devices = {source.device for _, source in copies if source.device.type != "cpu"}
         with torch.no_grad():
             for buffer, source in copies:
-                buffer.copy_(source, non_blocking=source.is_cuda)
-        _synchronize_accelerator()
+                buffer.copy_(source, non_blocking=source.device.type != "cpu")
+        # Non-blocking device->pinned copies must land before the writer reads the buffers.
+        for device in devices:
+            torch.get_device_module(device.type).synchronize(device)
         return self._staged
 
     def synchronize_staging(self) -> None:
@@ -92,11 +95,14 @@ def _allocate(obj: Any) -> Any:
     if not isinstance(obj, torch.Tensor):
         return obj
     local = _local(obj)
-    buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=local.device.type == "cuda")
+    on_accelerator = local.device.type != "cpu"
+    buffer = torch.empty(local.shape, dtype=local.dtype, pin_memory=on_accelerator)
     if not isinstance(obj, DTensor):
         return buffer
-    return DTensor.from_local(buffer, obj.device_mesh, obj.placements, run_check=False,
-                              shape=obj.shape, stride=obj.stride())  # fmt: skip
+    # The source's spec (mesh, placements, global shape) around the host buffer, as DCP's own
+    # CPU staging builds it. Not `DTensor.from_local`: that moves a local tensor onto the
+    # mesh's device, which would put every staging buffer in accelerator memory.
+    return DTensor(buffer, obj._spec, requires_grad=False)
 
 
 def _refresh(source: Any, staged: Any, copies: list) -> Any:
@@ -111,9 +117,3 @@ def _refresh(source: Any, staged: Any, copies: list) -> Any:
         copies.append((_local(staged), _local(source).detach()))
         return staged
     return source
-
-
-def _synchronize_accelerator() -> None:
-    """Non-blocking device->pinned copies must land before the writer reads the buffers."""
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()

@@ -161,6 +161,10 @@ class EngineConfig:
 class ClusterConfig:
     # Ray address to join; null means RAY_ADDRESS, and without that an embedded local instance.
     address: str | None = None
+    # The ranks' compute device: cuda (nccl), cpu (gloo), emulated (a device type of its own in
+    # host memory whose collectives refuse host tensors as NCCL does: CPU CI's stand-in for a
+    # GPU, built by `make install`) or auto (cuda where the ranks see one, else cpu).
+    device: str = "auto"
     # Embedded instance only: simulated nodes and accelerators on each.
     local_nodes: int = 1
     # Embedded instance only: accelerators on each simulated node.
@@ -287,6 +291,7 @@ class TrainConfig:
 
 
 _CHOICES: dict[str, tuple[Any, ...]] = {
+    "cluster.device": ("auto", "cpu", "cuda", "emulated"),
     "parallel.pp_schedule": ("gpipe", "1f1b", "interleaved"),
     "engine.name": ("fsdp2", "deepspeed"),
     "engine.zero_stage": (None, 0, 1, 2, 3),

@@ -116,6 +116,11 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
     }
     if temp_dir:
         head_args["temp_dir"] = temp_dir
+    # Ray's Cluster records the head's address in /tmp/ray/ray_current_cluster whatever the
+    # temp dir, and fails if that folder is missing (`ray stop` removes it).
+    from ray._common.utils import get_default_ray_temp_dir
+
+    os.makedirs(get_default_ray_temp_dir(), exist_ok=True)
     sim = Cluster(initialize_head=True, head_node_args=head_args)
     for _ in range(cluster.local_nodes):
         sim.add_node(**simulated_node_args(cluster, resource))
@@ -141,6 +146,31 @@ def resolve_accelerator_resource(cluster: ClusterConfig) -> str:
         if total.get(candidate, 0) >= 1:
             return candidate
     return "CPU"
+
+
+def check_device_available(cluster: ClusterConfig) -> None:
+    """Refuse, before any actor starts, a `cluster.device` the connected cluster cannot give.
+
+    The driver may sit on a node without GPUs, so CUDA is judged by the GPUs Ray sees; the
+    emulated device is built (once, cached) and loaded here, where a missing compiler shows.
+    """
+    import ray
+
+    from raytrain_dt.accel.device import DeviceUnavailable
+
+    if cluster.device == "cuda" and ray.cluster_resources().get("GPU", 0) < 1:
+        raise DeviceUnavailable(
+            "cluster.device=cuda: the Ray cluster has no GPUs; use cluster.device=auto, cpu or "
+            "emulated, or join a cluster with GPU nodes (cluster.address)"
+        )
+    if cluster.device == "emulated":
+        from raytrain_dt.accel.emulated import EmulatedDeviceUnavailable
+        from raytrain_dt.accel.emulated.build import load_library
+
+        try:
+            load_library()
+        except EmulatedDeviceUnavailable as exc:
+            raise DeviceUnavailable(f"cluster.device=emulated: {exc}") from exc
 
 
 class ClusterView(Protocol):

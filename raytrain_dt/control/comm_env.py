@@ -21,10 +21,12 @@ from raytrain_dt.errors import ConfigError
 
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
-# torch's ProcessGroupNCCL: 3 = on a failed or timed-out collective, end the process without
-# calling ncclCommAbort (which can itself hang on a broken network). Ray then reports the
-# actor dead and the coordinator replaces it and resumes from the last checkpoint.
-_KILL_PROCESS_ON_NCCL_ERROR = "3"
+# torch's ProcessGroupNCCL: 2 (CleanUpOnly) = on a failed or timed-out collective, abort the
+# communicators and raise in the rank; the process lives. A survivor whose peer died thus
+# returns from its collective (the actor's teardown also aborts its groups, as torchft does)
+# and is reused for the next layout with torch, CUDA context and warm caches in place, instead
+# of being killed (3) and replaced by a fresh process.
+_ABORT_AND_RAISE_ON_NCCL_ERROR = "2"
 
 
 def spans_nodes(cfg: TrainConfig, cluster_mode: str) -> bool:
@@ -42,7 +44,7 @@ def run_comm_env(cfg: TrainConfig, cluster_mode: str, run_dir: str | Path) -> di
 def comm_env(comm: CommConfig, multi_node: bool, log_dir: str | Path | None = None) -> dict:
     """Environment variables for every rank actor of a run (all values are strings)."""
     env = {
-        "TORCH_NCCL_ASYNC_ERROR_HANDLING": _KILL_PROCESS_ON_NCCL_ERROR,
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": _ABORT_AND_RAISE_ON_NCCL_ERROR,
         "TORCH_NCCL_BLOCKING_WAIT": "1" if comm.blocking_wait else "0",
         "NCCL_DEBUG": comm.debug,
     }

@@ -35,6 +35,7 @@ from raytrain_dt.control.cluster import (
     ClusterView,
     NodeInfo,
     RayClusterView,
+    check_device_available,
     connect,
     simulated_node_args,
 )
@@ -140,6 +141,7 @@ class Coordinator(GroupRecovery):
 
     # --- the state machine -------------------------------------------------------------------
     def _run(self, handle: ClusterHandle) -> RunResult:
+        check_device_available(self.cfg.cluster)
         self.begin(
             handle.accelerator_resource,
             RayClusterView(handle.accelerator_resource),

@@ -21,7 +21,7 @@ from raytrain_dt.models.spec import ModelSpec, model_spec
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.pins import LayoutPins
 from raytrain_dt.topology.planner import Plan, plan
-from raytrain_dt.worker.device import resolve_precision
+from raytrain_dt.topology.precision import resolve_precision
 from raytrain_dt.worker.spec import RankSpec
 
 log = logging.getLogger(__name__)

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
@@ -34,7 +35,6 @@ from raytrain_dt.models.spec import ModelSpec, llama_spec
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
 from raytrain_dt.topology.pins import engine_refusal
-from raytrain_dt.worker.device import DeviceSpec
 
 log = logging.getLogger("raytrain_dt.deepspeed")
 
@@ -127,10 +127,13 @@ def initialize_deepspeed(
     import deepspeed
 
     # DeepSpeed picks its device from LOCAL_RANK; the actor has already selected it.
-    local = torch.cuda.current_device() if device.device_type == "cuda" else 0
-    os.environ.setdefault("LOCAL_RANK", str(local))
-    if device.device_type == "cpu":
+    os.environ.setdefault("LOCAL_RANK", str(device.index))
+    if device.device_type != "cuda":  # host memory underneath: gloo, not DeepSpeed's shm ops
         _skip_shm_comm()
+    if device.device_type in ("emu", "cpu"):
+        from raytrain_dt.accel.emulated.deepspeed_accelerator import use_emulated_accelerator
+
+        use_emulated_accelerator(device.device_type == "emu")
     # The actor initialised torch.distributed; this only wraps the existing default group.
     deepspeed.init_distributed(dist_backend=device.backend, dist_init_required=False)
     # DeepSpeed keeps its parallel groups in module globals and replaces the `mpu` only when
@@ -186,9 +189,10 @@ class DeepSpeedEngine:
                 f"got {len(micro_batches)} micro-batches, DeepSpeed was configured for "
                 f"{self.engine.gradient_accumulation_steps()}"
             )
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        # fp32 on the device: it enters the DP all-reduce.
+        loss_sum = self.device.scalar()
         for tokens, rows in zip(micro_batches, real or [None] * len(micro_batches), strict=True):
-            tokens = tokens.to(self.engine.device)
+            tokens = self.device.to_device(tokens)
             loss = micro_step_loss(self._loss, self.engine(tokens), tokens, rows, self.layout)
             # Scales by 1/GAS and reduces gradients only at the accumulation boundary.
             self.engine.backward(loss)
@@ -199,7 +203,7 @@ class DeepSpeedEngine:
                 self._stage0_norm = float(torch.nn.utils.get_total_norm(grads, 2.0))
             # A no-op except at the boundary, where it clips and steps.
             self.engine.step()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().float()
         norm = self.engine.get_global_grad_norm()
         grad_norm = self._stage0_norm if self.layout.zero_stage == 0 else float(norm)
         # Every micro-batch has the same number of tokens (padding weighted as in

@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.deepspeed_engine import (
@@ -40,7 +41,6 @@ from raytrain_dt.parallel.pipeline import (
     split_model,
 )
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.worker.device import DeviceSpec
 
 
 class PipelineGroups:
@@ -121,9 +121,13 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
             union, cfg, self.ds_config, device, mpu=PipelineGroups(mesh)
         )
         # The stages share their modules with the union DeepSpeed now manages (it moved and
-        # flattened their parameters in place), so the schedule is built only now.
+        # flattened their parameters in place), so the schedule is built only now. What the
+        # union does not hold, each stage's own buffers (the rotary cache), DeepSpeed did not
+        # move: on an accelerator it would stay in host memory.
+        for part in parts:
+            part.to(device.torch_device)
         self.pipeline = Pipeline(
-            parts, layout, self._pp_group, pp_mesh.get_local_rank(), self.engine.device,
+            parts, layout, self._pp_group, pp_mesh.get_local_rank(), device.torch_device,
             spec.loss_fn(),
         )  # fmt: skip
         self._dp_group = mesh["dp"].get_group()
@@ -135,8 +139,8 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         layout is refused at construction)."""
         t = self.cfg.trainer
         lr = apply_lr_schedule(self.optimizer, t, step)
-        tokens = [m.to(self.engine.device) for m in micro_batches]
-        loss = shared_pipeline_loss(self.pipeline, tokens, self._pp_group)
+        tokens = [self.device.to_device(m) for m in micro_batches]
+        loss = shared_pipeline_loss(self.pipeline, tokens, self._pp_group, self.device)
         # Backward ran outside DeepSpeed, as in its own pipeline engine: reduce the accumulated
         # gradients into this rank's partition, then clip and step it.
         self.optimizer.reduce_gradients(pipeline_parallel=True)

@@ -5,11 +5,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import Engine
 from raytrain_dt.models.spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.worker.device import DeviceSpec
 
 
 def build_engine(

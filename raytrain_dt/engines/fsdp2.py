@@ -32,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.export import model_tensors
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
@@ -41,10 +42,15 @@ from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.models.spec import ModelSpec, llama_spec
-from raytrain_dt.parallel.pipeline import Pipeline, StageUnion, gather_stage_dicts, split_model
+from raytrain_dt.parallel.pipeline import (
+    Pipeline,
+    StageUnion,
+    gather_stage_dicts,
+    shared_pipeline_loss,
+    split_model,
+)
 from raytrain_dt.parallel.tensor_parallel import loss_context
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.worker.device import DeviceSpec
 
 # Optimizer state keyed per parameter name ("state.<name>.exp_avg", "param_groups.<name>.lr"):
 # pipeline stages hold different parameters, and a nested param_groups list would be one
@@ -113,11 +119,8 @@ class FSDP2Engine:
         for part in parts:
             self._parallelize(part)
         if layout.dims.pp_enabled:
-            cuda = device.device_type == "cuda"
-            stage_device = device.device(torch.cuda.current_device() if cuda else 0)
-            self.pipeline = Pipeline(
-                parts, layout, self._pp_group, pp_mesh.get_local_rank(), stage_device, self._loss
-            )
+            self.pipeline = Pipeline(parts, layout, self._pp_group, pp_mesh.get_local_rank(),
+                                     device.torch_device, self._loss)  # fmt: skip
             # One module under the full model's names for the optimizer and checkpoints.
             model = StageUnion(parts, self.spec.parts)
         self.model = model
@@ -145,13 +148,8 @@ class FSDP2Engine:
         # The root holds embeddings, final norm and head; they are used last in backward, so
         # resharding them after forward would only add an all-gather.
         fully_shard(model, reshard_after_forward=False, **shard_kwargs)
-        if device.device_type == "cuda" and not layout.offload_optimizer:
-            model.to(device.device(torch.cuda.current_device()))
-
-    def _to_device(self, tokens: torch.Tensor) -> torch.Tensor:
-        if self.device.device_type == "cuda":
-            return tokens.to(self.device.device(torch.cuda.current_device()), non_blocking=True)
-        return tokens
+        if device.is_accelerator and not layout.offload_optimizer:
+            model.to(device.torch_device)
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
@@ -164,7 +162,9 @@ class FSDP2Engine:
             global_loss = self._pipeline_micro_steps(micro_batches)
         else:
             global_loss = self._micro_steps(micro_batches, real or [None] * len(micro_batches))
-        grad_norm = clip_gradients(self.model.parameters(), t.grad_clip, self._pp_group)
+        grad_norm = clip_gradients(
+            self.model.parameters(), t.grad_clip, self.device, self._pp_group
+        )
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Every micro-batch has the same number of tokens (padding weighted as in
@@ -173,27 +173,25 @@ class FSDP2Engine:
         return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
 
     def _micro_steps(self, micro_batches: list[torch.Tensor], real: list) -> torch.Tensor:
-        """Forward/backward per micro-batch; this rank's mean loss."""
+        """Forward/backward per micro-batch; this rank's mean loss (fp32, on the device: it
+        enters the DP all-reduce)."""
         accum = len(micro_batches)
-        loss_sum = torch.zeros((), dtype=torch.float64)
+        loss_sum = self.device.scalar()
         for i, (tokens, rows) in enumerate(zip(micro_batches, real, strict=True)):
             last = i == accum - 1
             self.model.set_requires_gradient_sync(last or not self.layout.grad_sync_deferred)
-            tokens = self._to_device(tokens)
+            tokens = self.device.to_device(tokens)
             with loss_context(self.layout.dims.tp_enabled):
                 loss = micro_step_loss(self._loss, self.model(tokens), tokens, rows, self.layout)
                 (loss / accum).backward()
-            loss_sum += loss.detach().double().cpu()
+            loss_sum += loss.detach().float()
         return loss_sum / accum
 
     def _pipeline_micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step; the mean loss, known on every stage of this pipeline."""
         with loss_context(self.layout.dims.tp_enabled):
-            local = self.pipeline.step([self._to_device(m) for m in micro_batches])
-        # Only the last stage computes the loss; rank 0 (first stage) reports it.
-        loss = torch.zeros((), dtype=torch.float64) if local is None else local
-        dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._pp_group)
-        return loss
+            tokens = [self.device.to_device(m) for m in micro_batches]
+            return shared_pipeline_loss(self.pipeline, tokens, self._pp_group, self.device)
 
     # --- checkpoint state ----------------------------------------------------------------------
     _stager: ReusableStager | None = None  # created by the first async save, then reused
@@ -275,12 +273,15 @@ class FSDP2Engine:
         for param in self.model.parameters():
             if param.requires_grad:
                 param.grad = torch.zeros_like(param)
-        clip_gradients(self.model.parameters(), self.cfg.trainer.grad_clip, self._pp_group)
+        clip_gradients(
+            self.model.parameters(), self.cfg.trainer.grad_clip, self.device, self._pp_group
+        )
         self.optimizer.zero_grad(set_to_none=True)
 
 
-def clip_gradients(parameters, max_norm: float, pp_group=None) -> float:
-    """Total gradient norm over all shards and pipeline stages; clips in place if max_norm > 0."""
+def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=None) -> float:
+    """Total gradient norm over all shards and pipeline stages; clips in place if max_norm > 0.
+    The norm is fp32 on the compute device (it enters the pp all-reduce)."""
     with_grads = [p for p in parameters if p.grad is not None]
     # Norms are taken per mesh (DTensor ops cannot mix meshes) and combined as plain tensors.
     by_mesh: dict = {}
@@ -291,15 +292,15 @@ def clip_gradients(parameters, max_norm: float, pp_group=None) -> float:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = (
-        torch.linalg.vector_norm(torch.stack(partial_norms))
+        torch.linalg.vector_norm(torch.stack([n.float() for n in partial_norms]))
         if partial_norms
-        else torch.zeros((), dtype=torch.float32)
+        else device.scalar()
     )
     if pp_group is not None:
         # Stages hold disjoint parameters: squared norms add up across the pipeline.
-        total = total.double() ** 2
+        total = total**2
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        total = total.sqrt().float()
+        total = total.sqrt()
     if max_norm > 0:
         # Takes parameters (it scales p.grad), with the norm over every shard.
         torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=True)

@@ -41,7 +41,8 @@ def peak_flops_per_accelerator(device_name: str, configured_tflops: float | None
     "cpu" for CPU ranks. Unknown GPUs count as the planner's default (an H100)."""
     if configured_tflops:
         return configured_tflops * 1e12
-    if device_name == "cpu":
+    # The emulated accelerator (`accel/emulated/`) computes with the host's CPU kernels.
+    if device_name == "cpu" or "emulated" in device_name.lower():
         return CPU_PEAK_FLOPS
     for fragment, tflops in GPU_PEAK_TFLOPS:
         if fragment.lower() in device_name.lower():

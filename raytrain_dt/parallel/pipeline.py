@@ -28,6 +28,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.models.llama import next_token_loss
 from raytrain_dt.models.spec import ModelParts, ModelSpec, get_path, llama_spec, set_path
 from raytrain_dt.topology.layout import Layout
@@ -206,17 +207,17 @@ class Pipeline:
         )
         if losses is None:
             return None
-        # Each entry is a micro-batch mean divided by the count: their sum is the mean.
-        return torch.stack([loss.detach().double() for loss in losses]).sum().cpu()
+        # Each entry is a micro-batch mean divided by the count: their sum is the mean (fp32, on
+        # the stage's device: it enters the pp all-reduce).
+        return torch.stack([loss.detach().float() for loss in losses]).sum()
 
 
-def shared_pipeline_loss(
-    pipeline: Pipeline, micro_batches: list[torch.Tensor], pp_group: dist.ProcessGroup
-) -> torch.Tensor:
-    """One schedule step; its mean loss (float64), known on every stage (collective over pp:
-    only the last stage computes it)."""
+def shared_pipeline_loss(pipeline: Pipeline, micro_batches: list[torch.Tensor],
+                         pp_group: dist.ProcessGroup, device: DeviceSpec) -> torch.Tensor:  # fmt: skip
+    """One schedule step; its mean loss (fp32, on the device), known on every stage
+    (collective over pp: only the last stage computes it)."""
     local = pipeline.step(micro_batches)
-    loss = torch.zeros((), dtype=torch.float64) if local is None else local
+    loss = device.scalar() if local is None else local
     dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=pp_group)
     return loss
 

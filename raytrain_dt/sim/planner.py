@@ -16,7 +16,7 @@ from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.sim.costs import Costs, checkpoint_bytes
 from raytrain_dt.topology.cost import PCIE_BANDWIDTH, estimate_step_time
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.worker.device import resolve_precision
+from raytrain_dt.topology.precision import resolve_precision
 
 
 @dataclass

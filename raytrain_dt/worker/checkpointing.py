@@ -18,6 +18,7 @@ from concurrent.futures import Future
 import torch
 import torch.distributed as dist
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location, dcp_writer
 from raytrain_dt.engines.base import Engine
@@ -27,10 +28,11 @@ log = logging.getLogger(__name__)
 
 class RankCheckpointer:
     def __init__(self, engine: Engine, rank: int, report: Callable[[dict], None], use_async: bool,
-                 die_while_saving: Collection[int] = ()):  # fmt: skip
-        """`die_while_saving`: steps whose save this rank dies in the middle of (chaos
-        `kill_rank_mid_save`, for tests)."""
+                 device: DeviceSpec, die_while_saving: Collection[int] = ()):  # fmt: skip
+        """`device`: whose RNG is saved beside the CPU's. `die_while_saving`: steps whose save
+        this rank dies in the middle of (chaos `kill_rank_mid_save`, for tests)."""
         self.engine = engine
+        self.device = device
         self.die_while_saving = frozenset(die_while_saving)
         self.rank = rank
         self.report = report
@@ -117,7 +119,10 @@ class RankCheckpointer:
         loc = Location.parse(uri).child(RNG_DIR)
         loc.makedirs()
         buffer = io.BytesIO()
-        torch.save(torch.get_rng_state(), buffer)
+        state = {"cpu": torch.get_rng_state()}
+        if self.device.is_accelerator:  # dropout and friends draw from the device's generator
+            state[self.device.device_type] = self.device.module.get_rng_state(self.device.index)
+        torch.save(state, buffer)
         with loc.fs.open(loc.child(f"rank_{self.rank}.pt").path, "wb") as f:
             f.write(buffer.getvalue())
 
@@ -125,7 +130,14 @@ class RankCheckpointer:
         loc = Location.parse(uri).child(RNG_DIR, f"rank_{self.rank}.pt")
         if loc.exists():
             with loc.fs.open(loc.path, "rb") as f:
-                torch.set_rng_state(torch.load(io.BytesIO(f.read()), weights_only=True))
+                state = torch.load(io.BytesIO(f.read()), weights_only=True)
+            if isinstance(state, torch.Tensor):  # written before device states were kept
+                state = {"cpu": state}
+            torch.set_rng_state(state["cpu"])
+            # A checkpoint from another device kind restores the CPU generator only.
+            device_state = state.get(self.device.device_type)
+            if self.device.is_accelerator and device_state is not None:
+                self.device.module.set_rng_state(device_state, self.device.index)
 
 
 class DieAfterWriting:

@@ -22,9 +22,15 @@ import traceback
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
+from raytrain_dt.accel.device import (
+    accelerator_name,
+    memory_usage,
+    ray_accelerator_index,
+    release_accelerator_memory,
+    select_device,
+)
 from raytrain_dt.checkpoint.initial import load_initial_weights
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
@@ -33,7 +39,6 @@ from raytrain_dt.models.spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.collective_timeout import set_collective_timeout
-from raytrain_dt.worker.device import accelerator_name, memory_usage, select_device
 from raytrain_dt.worker.input_stream import open_stream
 from raytrain_dt.worker.notices import NoticeBoard
 from raytrain_dt.worker.spec import RankSpec
@@ -91,6 +96,7 @@ class RankWorker:
         self._error: str | None = None
         self._done = False
         self.notices: NoticeBoard | None = None
+        self._device = None  # this layout's DeviceSpec (set by `_build`)
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(logs / f"actor_{actor_index}.log")
@@ -142,10 +148,11 @@ class RankWorker:
     def _build(self, spec: RankSpec) -> dict:
         timings: dict[str, float] = {}
         t0 = time.perf_counter()
-        device = select_device(spec.cfg.engine.precision)
-        if device.device_type == "cuda":
-            gpu_ids = [int(i) for i in os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",") if i]
-            torch.cuda.set_device(0 if len(gpu_ids) <= 1 else spec.rank % len(gpu_ids))
+        # The accelerator Ray assigned this actor, not one guessed from the rank.
+        device = select_device(spec.cfg.engine.precision, spec.cfg.cluster.device,
+                               ray_accelerator_index())  # fmt: skip
+        device.activate()
+        self._device = device
         os.environ.update(
             MASTER_ADDR=spec.master_addr,
             MASTER_PORT=str(spec.master_port),
@@ -169,7 +176,7 @@ class RankWorker:
             load_initial_weights(model, spec.cfg.model.init_from)
         self.engine = build_engine(model, spec.cfg, spec.layout, mesh, device, model_spec)
         self.checkpointer = RankCheckpointer(
-            self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save,
+            self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save, device,
             die_while_saving=[a.at_step for a in spec.cfg.chaos
                               if a.action == "kill_rank_mid_save" and a.target == spec.rank],
         )  # fmt: skip
@@ -202,7 +209,6 @@ class RankWorker:
         spec = self.spec
         assert spec is not None, "setup() must run before start()"
         coords = spec.layout.dims.coords(spec.rank)
-        self._device = select_device(spec.cfg.engine.precision)
         loop = LoopSpec(
             start_step=spec.start_step,
             end_step=spec.end_step,
@@ -329,10 +335,19 @@ class RankWorker:
             log.warning("rank %s: a checkpoint save still in flight after %.0fs",
                         self.spec.rank if self.spec else "?", save_grace_s)  # fmt: skip
         if self._training is not None and not self._training.done():
-            log.warning("rank %s: training thread still busy after %.1fs; not reusable. It is "
-                        "at:\n%s", self.spec.rank if self.spec else "?", grace_s,
-                        _where_thread_is(self._torch_thread_id))  # fmt: skip
-            return False
+            # Blocked in a collective with a dead or hung peer: abort the communicators (NCCL's
+            # ncclCommAbort; the emulated backend's equivalent), which makes the collective
+            # raise in the training thread, as torchft does, and wait for the thread once more.
+            where = _where_thread_is(self._torch_thread_id)
+            _abort_process_groups()
+            wait([self._training], timeout=grace_s)
+            if not self._training.done():
+                log.warning("rank %s: training thread still busy %.1fs after aborting its "
+                            "groups; not reusable. It is at:\n%s",
+                            self.spec.rank if self.spec else "?", grace_s, where)  # fmt: skip
+                return False
+            log.info("rank %s: aborted its process groups; the training thread returned from:"
+                     "\n%s", self.spec.rank if self.spec else "?", where)  # fmt: skip
         if self.notices is not None:
             self.notices.release_sigterm()
         self._torch_thread.submit(self._release_layout).result()
@@ -342,10 +357,26 @@ class RankWorker:
         self.engine = None
         self.checkpointer = None
         self._batches = None
-        if dist.is_initialized():
+        if dist.is_initialized():  # not after an abort, which has already dropped every group
             dist.destroy_process_group()
         _forget_layout_caches()
         gc.collect()
+        # The layout's model, optimizer and caches are garbage now: hand their accelerator
+        # memory back and restart the peak statistic, so the next layout measures its own.
+        if self._device is not None:
+            release_accelerator_memory(self._device)
+
+
+def _abort_process_groups() -> None:
+    """Abort every process group of this process. On NCCL this is
+    ncclCommAbort on each communicator; gloo cannot be interrupted (a gloo-only rank blocked on
+    a hung peer stays blocked until `comm.timeout_s`)."""
+    if not dist.is_initialized():
+        return
+    try:
+        dist.distributed_c10d._abort_process_group()
+    except Exception:  # an abort must never fail a teardown
+        log.exception("aborting the process groups failed")
 
 
 def _where_thread_is(thread_id: int, depth: int = 6) -> str:

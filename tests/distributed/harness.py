@@ -35,6 +35,15 @@ class Job:
     checkpoint_dir: str | None = None
     # engine.precision for `select_device` ("bf16" runs FSDP2's MixedPrecisionPolicy on CPU).
     precision: str = "fp32"
+    # cluster.device: "cpu" (gloo) or "emulated" (the emu device and its NCCL-like backend).
+    device: str = "cpu"
+    # After `async_save_after` steps, start the engine's async save (pinned staging) into
+    # `async_save_dir`; it is written while the remaining steps train.
+    async_save_dir: str | None = None
+    async_save_after: int = 0
+    # Fault injection: the step's loss reduced from a host tensor, as the engines once did (a
+    # GPU collective must refuse it).
+    host_loss: bool = False
 
 
 @dataclass
@@ -42,6 +51,10 @@ class JobResult:
     losses: list[float]
     params: dict = field(default_factory=dict)
     checkpoint_keys: list[str] | None = None
+    # With an async save: whether the staging buffers of the model's shards were pinned.
+    staged_pinned: bool | None = None
+    # The device type the engine's parameters lived on.
+    param_device: str | None = None
 
 
 def _free_port() -> int:
@@ -54,33 +67,41 @@ def _run_job(rank: int, job: Job) -> JobResult:
     import torch
     import torch.distributed as dist
 
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.data.order import rank_rows, sample_ids
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.spec import model_spec
-    from raytrain_dt.worker.device import select_device
 
     cfg, layout = job.cfg, job.layout
     dims = layout.dims
+    device = select_device(job.precision, job.device)
+    device.activate()
     dist.init_process_group(
-        "gloo",
+        device.backend,
         init_method=f"tcp://127.0.0.1:{job.port}",
         rank=rank,
         world_size=dims.world_size,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     try:
-        mesh = dims.build_mesh("cpu")
+        mesh = dims.build_mesh(device.device_type)
         spec = model_spec(cfg)  # our preset, or `model.hf`
         model = spec.build(cfg.data.seq_len, cfg.run.seed)
-        engine = build_engine(model, cfg, layout, mesh, select_device(job.precision), spec)
+        engine = build_engine(model, cfg, layout, mesh, device, spec)
+        if job.host_loss:  # the engines' old bug: the step's loss summed in a host tensor
+            micro_steps = engine._micro_steps
+            engine._micro_steps = lambda *args: micro_steps(*args).cpu()
         if job.load_dir:
             engine.load(job.load_dir)
         dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
         dp_rank = dims.coords(rank).dp
         g = layout.global_batch
         losses = []
+        saving = None
         for step in range(job.start_step, job.start_step + job.steps):
+            if job.async_save_dir and step == job.start_step + job.async_save_after:
+                saving = engine.save_async(job.async_save_dir, dist.new_group(backend="gloo"))
             # A padded layout's ranks read uneven slices; `real` marks their padding rows.
             slots = layout.micro_batch * layout.grad_accum
             positions, real = rank_rows(step * g, 1, g, dims.dp, dp_rank, slots)
@@ -90,6 +111,15 @@ def _run_job(rank: int, job: Job) -> JobResult:
             masks = list(torch.split(torch.from_numpy(real), layout.micro_batch))
             assert len(micro) == layout.grad_accum, (len(micro), layout)
             losses.append(engine.train_step(micro, step, masks).loss)
+        staged_pinned = None
+        if saving is not None:
+            saving.result()
+            # The model's shards all live on the compute device (the optimizer's step counts
+            # stay on the host, and so do their buffers).
+            buffers = _tensors(engine._stager._staged["model"])
+            staged_pinned = bool(buffers) and all(b.is_pinned() for b in buffers)
+        module = engine.model if hasattr(engine, "model") else engine.engine.module  # DeepSpeed
+        param_device = next(module.parameters()).device.type
         params = engine.full_state_dict()
         keys = None
         if job.checkpoint_dir:
@@ -97,9 +127,22 @@ def _run_job(rank: int, job: Job) -> JobResult:
             dist.barrier()
             keys = _checkpoint_keys(job.checkpoint_dir)
         del engine, model
-        return JobResult(losses, params if rank == 0 else {}, keys)
+        return JobResult(losses, params if rank == 0 else {}, keys, staged_pinned, param_device)
     finally:
         dist.destroy_process_group()
+
+
+def _tensors(tree) -> list:
+    """Every tensor's local part in a nested state dict."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return [t for value in tree.values() for t in _tensors(value)]
+    if isinstance(tree, (list, tuple)):
+        return [t for value in tree for t in _tensors(value)]
+    if isinstance(tree, DTensor):
+        return [tree.to_local()]
+    return [tree] if hasattr(tree, "is_pinned") else []
 
 
 def _checkpoint_keys(path: str) -> list[str] | None:

@@ -40,11 +40,11 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.spec import model_spec
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
-    from raytrain_dt.worker.device import select_device
     from raytrain_dt.worker.rank_actor import RankWorker
 
     torch.set_num_threads(1)

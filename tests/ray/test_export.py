@@ -148,12 +148,12 @@ def test_resuming_into_another_model_shape_is_one_error_before_anything_starts(t
 
 
 def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trained):
+    from raytrain_dt.accel.device import select_device
     from raytrain_dt.checkpoint.convert import single_process_group
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
     from raytrain_dt.models.llama import build_model
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
-    from raytrain_dt.worker.device import select_device
 
     cfg, result = trained
     other = load_config("conf/test.yaml", [f"data.path={cfg.data.path}", "model.n_kv_heads=4"])

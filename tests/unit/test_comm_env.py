@@ -18,7 +18,7 @@ def _comm(*overrides: str):
 def test_single_node_keeps_bootstrap_and_gloo_on_loopback_and_sets_no_fabric():
     env = comm_env(_comm(), multi_node=False)
     assert env["NCCL_SOCKET_IFNAME"] == env["GLOO_SOCKET_IFNAME"] == "lo"
-    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "3"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "2"  # abort and raise, the process lives
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "0"
     assert not {"NCCL_IB_DISABLE", "NCCL_NET_GDR_LEVEL", "NCCL_NET"} & env.keys()
     # Algorithms, protocols and buffer size are NCCL's to tune unless configured.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.deepspeed_engine import deepspeed_config
 from raytrain_dt.errors import ConfigError
@@ -13,7 +14,6 @@ from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.pins import LayoutPins
 from raytrain_dt.topology.planner import plan
-from raytrain_dt.worker.device import DeviceSpec
 
 CPU = DeviceSpec("cpu", "gloo", torch.float32, torch.float32)
 GPU_BF16 = DeviceSpec("cuda", "nccl", torch.bfloat16, torch.float32)

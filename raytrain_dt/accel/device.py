@@ -1,0 +1,178 @@
+"""The one place that decides device, collective backend and dtypes.
+
+`cluster.device` picks the kind: `cuda` (nccl), `cpu` (gloo), `emulated` (the `emu` device and
+its `emuccl` backend, `accel/emulated/`: host memory with NCCL's rules, for CPU CI) or `auto`
+(cuda where torch sees one, else cpu). Accelerators compute in bf16 with fp32 master weights and
+fp32 gradient reduction unless `engine.precision` pins fp32; the CPU computes in fp32 (bf16 if
+pinned). Loss and gradient-norm arithmetic always run in fp32 on the compute device, because on
+an accelerator every tensor that enters a collective must live there.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from raytrain_dt.errors import ConfigError
+from raytrain_dt.topology.precision import resolve_precision
+
+DEVICE_KINDS = ("auto", "cpu", "cuda", "emulated")
+_BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+class DeviceUnavailable(ConfigError):
+    """`cluster.device` names a device this machine cannot provide (the message says why)."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    device_type: str  # "cuda", "emu" (emulated) or "cpu"
+    backend: str  # "nccl", "emuccl" or "gloo"
+    param_dtype: torch.dtype  # compute dtype of parameters in forward/backward
+    reduce_dtype: torch.dtype  # dtype of gradient reductions
+    index: int = 0  # this rank's accelerator among those visible to its process
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device_type != "cpu"
+
+    @property
+    def mixed_precision(self) -> bool:
+        return self.param_dtype != torch.float32
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host copies of accelerator state are pinned (page-locked) for fast DMA; only
+        an accelerator can pin, a CPU-only torch refuses to."""
+        return self.is_accelerator
+
+    @property
+    def torch_device(self) -> torch.device:
+        return (
+            torch.device(self.device_type, self.index)
+            if self.is_accelerator
+            else torch.device("cpu")
+        )
+
+    def device(self, local_index: int | None = None) -> torch.device:
+        if not self.is_accelerator:
+            return torch.device("cpu")
+        return torch.device(self.device_type, self.index if local_index is None else local_index)
+
+    @property
+    def module(self):
+        """torch's module for this device (`torch.cuda`, `torch.emu`); None on the CPU."""
+        return torch.get_device_module(self.device_type) if self.is_accelerator else None
+
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.to(self.torch_device, non_blocking=True) if self.is_accelerator else tensor
+
+    def scalar(self, value: float = 0.0) -> torch.Tensor:
+        """An fp32 scalar on the compute device: what losses accumulate in and collectives sum."""
+        return torch.tensor(value, dtype=torch.float32, device=self.torch_device)
+
+    def activate(self) -> None:
+        """Make this rank's accelerator the current one of its process."""
+        if self.is_accelerator:
+            self.module.set_device(self.index)
+
+
+def resolve_device_kind(kind: str) -> str:
+    """`auto` -> `cuda` where torch sees a GPU, else `cpu`; any other kind unchanged."""
+    if kind not in DEVICE_KINDS:
+        raise DeviceUnavailable(f"cluster.device: {kind!r} is not one of {', '.join(DEVICE_KINDS)}")
+    if kind == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return kind
+
+
+def select_device(precision: str = "auto", kind: str = "auto", index: int = 0) -> DeviceSpec:
+    """The device, backend and dtypes of a rank on `kind` (`cluster.device`)."""
+    kind = resolve_device_kind(kind)
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise DeviceUnavailable(
+            "cluster.device=cuda: torch sees no CUDA device here "
+            f"(torch {torch.__version__}); use cluster.device=auto, cpu or emulated"
+        )
+    if kind == "emulated":
+        from raytrain_dt.accel import emulated
+
+        try:
+            emulated.enable()
+        except emulated.EmulatedDeviceUnavailable as exc:
+            raise DeviceUnavailable(f"cluster.device=emulated: {exc}") from exc
+        device_type, backend = emulated.DEVICE_TYPE, emulated.BACKEND
+    else:
+        device_type, backend = kind, _BACKENDS[kind]
+    # The emulated accelerator keeps the CPU's fp32 unless bf16 is pinned: it exists to check
+    # device discipline, and its runs are compared with CPU runs.
+    on_gpu = kind == "cuda"
+    dtype = torch.bfloat16 if resolve_precision(precision, on_gpu) == "bf16" else torch.float32
+    return DeviceSpec(device_type, backend, dtype, torch.float32, index if kind != "cpu" else 0)
+
+
+def local_accelerator_index(assigned_ids: Sequence[str], visible: str | None = None) -> int:
+    """This actor's device index from the accelerator ids Ray assigned it.
+
+    Ray sets CUDA_VISIBLE_DEVICES to the assigned ids, so the device is found by its position
+    among the visible ones (0 for one accelerator per actor). Where the visible list does not
+    name it (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES, or no list), the id is the index.
+    """
+    if not assigned_ids:
+        return 0
+    chosen = str(assigned_ids[0])
+    visible_ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if chosen in visible_ids:
+        return visible_ids.index(chosen)
+    return int(chosen) if chosen.isdigit() else 0
+
+
+def ray_accelerator_index() -> int:
+    """`local_accelerator_index` for the calling Ray actor (0 outside Ray or without GPUs)."""
+    try:
+        import ray
+
+        ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+    except Exception:  # not inside a Ray worker
+        ids = []
+    return local_accelerator_index(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def accelerator_name(spec: DeviceSpec) -> str:
+    """What MFU looks the peak FLOP/s up by: the accelerator's own name, or "cpu"."""
+    return spec.module.get_device_name(spec.index) if spec.is_accelerator else "cpu"
+
+
+def release_accelerator_memory(spec: DeviceSpec) -> None:
+    """Between layouts: wait for the device, return cached blocks, restart the peak statistic,
+    so the next layout's memory figures are its own."""
+    if spec.is_accelerator:
+        module = spec.module
+        module.synchronize()
+        module.empty_cache()
+        module.reset_peak_memory_stats()
+
+
+def memory_usage(spec: DeviceSpec) -> dict[str, int]:
+    """This rank's memory in bytes: on an accelerator the allocator's allocated and peak
+    allocated bytes (peak since the layout began: `release_accelerator_memory`); on the CPU,
+    where tensors live in the process heap, the resident set size and its high-water mark."""
+    if spec.is_accelerator:
+        module = spec.module
+        return {
+            "mem_allocated_bytes": int(module.memory_allocated()),
+            "mem_peak_bytes": int(module.max_memory_allocated()),
+        }
+    import resource
+    import sys
+
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    # ru_maxrss is the process's peak RSS: KiB on Linux, bytes on macOS.
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    peak *= 1 if sys.platform == "darwin" else 1024
+    return {"mem_allocated_bytes": int(rss), "mem_peak_bytes": int(max(rss, peak))}
