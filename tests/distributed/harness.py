@@ -35,7 +35,8 @@ class Job:
     checkpoint_dir: str | None = None
     # engine.precision for `select_device` ("bf16" runs FSDP2's MixedPrecisionPolicy on CPU).
     precision: str = "fp32"
-    # cluster.device: "cpu" (gloo) or "emulated" (the emu device and its NCCL-like backend).
+    # cluster.device: "cpu" (gloo), "emulated" (the emu device and its NCCL-like backend) or
+    # "cuda" (NCCL, on GPU machines).
     device: str = "cpu"
     # After `async_save_after` steps, start the engine's async save (pinned staging) into
     # `async_save_dir`; it is written while the remaining steps train.
@@ -75,7 +76,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
 
     cfg, layout = job.cfg, job.layout
     dims = layout.dims
-    device = select_device(job.precision, job.device)
+    # One accelerator per rank, as on a GPU node (the emulated device has eight, all host RAM).
+    device = select_device(job.precision, job.device, index=rank)
     device.activate()
     dist.init_process_group(
         device.backend,
