@@ -63,3 +63,27 @@ def load_checkpoint_params(path: str) -> dict[str, torch.Tensor]:
         for k, v in read_flat_state(path).items()
         if k.startswith("model.")
     }
+
+
+def check_run_matches_reference(cfg: TrainConfig, result, steps: int,
+                                atol: float = 1e-4) -> list[dict]:  # fmt: skip
+    """A finished run (`RunResult`) against the single-process run: every step's loss and the
+    final checkpoint's weights within `atol`, and every step's samples exactly those of the
+    global order (none lost, none twice). Returns the run's metrics rows."""
+    import pytest
+
+    from raytrain_dt.observe.metrics import read_jsonl
+
+    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
+    ref_losses, ref_params = reference_run(cfg, steps)
+    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=atol)
+    params = load_checkpoint_params(result.latest_checkpoint)
+    for name, value in ref_params.items():
+        torch.testing.assert_close(params[name], value, atol=atol, rtol=0)
+    dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
+    ledger = read_jsonl(f"{result.run_dir}/ledger.jsonl")
+    assert [r["step"] for r in ledger] == list(range(1, steps + 1))
+    for record in ledger:
+        assert record["sample_ids"] == global_batch_ids(cfg, dataset, record["step"] - 1).tolist()
+    return metrics

@@ -13,70 +13,31 @@ import dataclasses
 
 import pytest
 import torch
-from harness import WorkerPool
-from reference import reference_run
-from test_engine_matrix import (
-    DEEPSPEED_PIPELINE_LAYOUTS,
-    GLOBAL_BATCH,
-    LAYOUTS,
-    STEPS,
-    _layout,
-)
+from matrix import STEPS, cfg, pool, reference
+from test_engine_matrix import DEEPSPEED_PIPELINE_LAYOUTS, LAYOUTS, _layout
 
-EMULATED_LAYOUTS = ["ddp", "fsdp2-full", "hsdp-2x2", "dp2xtp2+sp", "pp2-1f1b"]
-
-
-@pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
-
-
-@pytest.fixture(scope="module")
-def cfg(token_data, tmp_path_factory):
-    from conftest import REPO
-
-    from raytrain_dt.config import load_config
-
-    return load_config(
-        REPO / "conf" / "test.yaml",
-        [f"data.path={token_data}", f"run.dir={tmp_path_factory.mktemp('emulated')}",
-         "model.n_layers=4", f"trainer.steps={STEPS}", f"trainer.global_batch={GLOBAL_BATCH}"],
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference(cfg):
-    return reference_run(cfg, STEPS)
-
-
-@pytest.mark.parametrize("name", EMULATED_LAYOUTS)
-def test_emulated_run_equals_cpu_run(pool, cfg, reference, name):
-    emulated = pool.run(cfg, LAYOUTS[name], STEPS, device="emulated")
-    cpu = pool.run(cfg, LAYOUTS[name], STEPS, device="cpu")
-    assert emulated.param_device == "emu" and cpu.param_device == "cpu"
-    assert emulated.losses == pytest.approx(cpu.losses, abs=1e-5)
-    assert emulated.losses == pytest.approx(reference[0], abs=1e-5)
-    for key, value in reference[1].items():
-        torch.testing.assert_close(emulated.params[key], value, atol=1e-5, rtol=0, msg=key)
-
-
-# DeepSpeed through its accelerator abstraction (`accel/emulated/deepspeed_accelerator.py`):
-# ZeRO's flat buffers and partitions on the emulated device, its collectives through emuccl.
-DEEPSPEED_LAYOUTS = {
-    "ds-zero1": _layout(zero=1, dp_shard=2),
-    "ds-zero2": _layout(zero=2, dp_shard=2),
-    "ds-zero3": _layout(zero=3, dp_shard=2),
-    "ds-zero1-pp2-1f1b": DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2-1f1b"],
+# (engine, layout). DeepSpeed runs through its accelerator abstraction
+# (`accel/emulated/deepspeed_accelerator.py`): ZeRO's flat buffers and partitions on the
+# emulated device, its collectives through emuccl.
+EMULATED = {
+    "ddp": ("fsdp2", LAYOUTS["ddp"]),
+    "fsdp2-full": ("fsdp2", LAYOUTS["fsdp2-full"]),
+    "hsdp-2x2": ("fsdp2", LAYOUTS["hsdp-2x2"]),
+    "dp2xtp2+sp": ("fsdp2", LAYOUTS["dp2xtp2+sp"]),
+    "pp2-1f1b": ("fsdp2", LAYOUTS["pp2-1f1b"]),
+    "ds-zero1": ("deepspeed", _layout(zero=1, dp_shard=2)),
+    "ds-zero2": ("deepspeed", _layout(zero=2, dp_shard=2)),
+    "ds-zero3": ("deepspeed", _layout(zero=3, dp_shard=2)),
+    "ds-zero1-pp2-1f1b": ("deepspeed", DEEPSPEED_PIPELINE_LAYOUTS["ds-zero1-pp2-1f1b"]),
 }
 
 
-@pytest.mark.parametrize("name", list(DEEPSPEED_LAYOUTS))
-def test_emulated_deepspeed_run_equals_cpu_run(pool, cfg, reference, name):
-    deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
-    emulated = pool.run(deepspeed, DEEPSPEED_LAYOUTS[name], STEPS, device="emulated")
-    cpu = pool.run(deepspeed, DEEPSPEED_LAYOUTS[name], STEPS, device="cpu")
+@pytest.mark.parametrize("name", list(EMULATED))
+def test_emulated_run_equals_cpu_run(pool, cfg, reference, name):
+    engine, layout = EMULATED[name]
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name=engine))
+    emulated = pool.run(cfg, layout, STEPS, device="emulated")
+    cpu = pool.run(cfg, layout, STEPS, device="cpu")
     assert emulated.param_device == "emu" and cpu.param_device == "cpu"
     assert emulated.losses == pytest.approx(cpu.losses, abs=1e-5)
     assert emulated.losses == pytest.approx(reference[0], abs=1e-5)

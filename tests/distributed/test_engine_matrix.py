@@ -13,14 +13,12 @@ import dataclasses
 
 import pytest
 import torch
-from harness import WorkerPool
-from reference import load_checkpoint_params, reference_run
+from matrix import GLOBAL_BATCH, STEPS, cfg, pool, reference
+from reference import load_checkpoint_params
 
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
-STEPS = 5
-GLOBAL_BATCH = 8
 GRAD_ACCUM = 2
 
 
@@ -97,37 +95,6 @@ LAYOUTS = {
         real_global_batch=GLOBAL_BATCH,
     ),
 }
-
-
-@pytest.fixture(scope="module")
-def pool():
-    workers = WorkerPool(4)
-    yield workers
-    workers.close()
-
-
-@pytest.fixture(scope="module")
-def cfg(token_data, tmp_path_factory):
-    from conftest import REPO
-
-    from raytrain_dt.config import load_config
-
-    run_dir = tmp_path_factory.mktemp("matrix")
-    return load_config(
-        REPO / "conf" / "test.yaml",
-        [
-            f"data.path={token_data}",
-            f"run.dir={run_dir}",
-            "model.n_layers=4",
-            f"trainer.steps={STEPS}",
-            f"trainer.global_batch={GLOBAL_BATCH}",
-        ],
-    )
-
-
-@pytest.fixture(scope="module")
-def reference(cfg):
-    return reference_run(cfg, STEPS)
 
 
 # DeepSpeed ZeRO-1 over our pipeline stages and schedules (the one DeepSpeed + pipeline

@@ -18,30 +18,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
-from reference import global_batch_ids, load_checkpoint_params, reference_run
+from reference import check_run_matches_reference, reference_run
 from report_checks import check_report
 
 from raytrain_dt.control.coordinator import train
-from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.observe.metrics import read_jsonl
-
-
-def _check_against_reference(cfg, result, steps: int) -> list[dict]:
-    """Losses and final weights equal the single-process run; every sample exactly once."""
-    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    ref_losses, ref_params = reference_run(cfg, steps)
-    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-4)
-    params = load_checkpoint_params(result.latest_checkpoint)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, atol=1e-4, rtol=0)
-    dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
-    ledger = read_jsonl(f"{result.run_dir}/ledger.jsonl")
-    assert [r["step"] for r in ledger] == list(range(1, steps + 1))
-    for record in ledger:
-        assert record["sample_ids"] == global_batch_ids(cfg, dataset, record["step"] - 1).tolist()
-    return metrics
 
 
 def _resizes(result) -> list[dict]:
@@ -79,7 +60,7 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
         " {at_step: 24, action: preempt_node, target: 3}]",
     )  # fmt: skip
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
-    metrics = _check_against_reference(cfg, result, steps)
+    metrics = check_run_matches_reference(cfg, result, steps)
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
     resizes = _resizes(result)
     sizes = [(r["old_layout"]["dims"]["world_size"], r["new_layout"]["dims"]["world_size"])
@@ -228,7 +209,7 @@ def test_real_preemption_notices_lose_no_step(restore_nodes, make_config, source
                     with contextlib.suppress(Exception):  # it may have exited, drained
                         restore_nodes.remove_node(node)
     assert target.get("drain") is None or target["drain"].returncode == 0, target["drain"].stderr
-    _check_against_reference(cfg, result, steps)
+    check_run_matches_reference(cfg, result, steps)
     events = read_jsonl(run_dir / "events.jsonl")
     notices = [e for e in events if e["event"] == "preemption_notice"]
     assert [(n["source"], n["node"]) for n in notices] == [(source, target["node"])]

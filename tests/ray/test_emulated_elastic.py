@@ -10,11 +10,9 @@ dead peer waits out its timeout and is replaced instead).
 from __future__ import annotations
 
 import pytest
-import torch
-from reference import global_batch_ids, load_checkpoint_params, reference_run
+from reference import check_run_matches_reference
 
 from raytrain_dt.control.coordinator import train
-from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.observe.metrics import read_jsonl
 
 
@@ -36,13 +34,6 @@ def test_rank_death_on_the_emulated_accelerator_reuses_every_survivor(restore_no
     # Every survivor is kept, none replaced: the new layout runs on the three old actors.
     assert sorted(resize["pids"]) == sorted(set(start["pids"]) - {dead}), (start, resize)
 
-    metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
-    assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    ref_losses, ref_params = reference_run(cfg, steps)
-    assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=1e-5)
-    params = load_checkpoint_params(result.latest_checkpoint)
-    for name, value in ref_params.items():
-        torch.testing.assert_close(params[name], value, atol=1e-5, rtol=0)
-    dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
-    for record in read_jsonl(f"{result.run_dir}/ledger.jsonl"):
-        assert record["sample_ids"] == global_batch_ids(cfg, dataset, record["step"] - 1).tolist()
+    # The emulated device computes with the CPU's kernels: the CPU's bound, not the elastic
+    # tests' looser one.
+    check_run_matches_reference(cfg, result, steps, atol=1e-5)

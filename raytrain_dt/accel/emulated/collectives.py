@@ -63,13 +63,28 @@ class EmulatedCollectives(dist.ProcessGroup):
         self._aborted.set()
         self._waiter.shutdown(wait=False)
 
-    def _run(self, op: str, outputs: list[torch.Tensor], work_fn) -> dist.Work:
-        """Run `work_fn` (a gloo call on host copies) and copy its results into `outputs`."""
+    def _call(self, op: str, method: str, *args, outputs: tuple[int, ...] = (0,)) -> dist.Work:
+        """gloo's `method` on host copies of `args` (tensors, lists of them, lists of lists;
+        anything else, such as the options, as it is); once it is done, the host results at
+        the argument positions `outputs` are copied into the device tensors given there."""
+        host_args = self._to_host(op, args)
+        self._wait(op, getattr(self._gloo, method)(*host_args))
+        for i in outputs:
+            _copy_into(args[i], host_args[i])
+        return _done([t for i in outputs for t in _flat(args[i])])
+
+    def _each(self, op: str, method: str, outputs, inputs, opts) -> dist.Work:
+        """A coalesced collective as gloo's single-tensor `method` per (output, input) pair."""
+        host_out, host_in = self._to_host(op, (outputs, inputs))
+        for out, inp in zip(host_out, host_in, strict=True):
+            self._wait(op, getattr(self._gloo, method)(out, inp, opts))
+        _copy_into(outputs, host_out)
+        return _done(list(outputs))
+
+    def _to_host(self, op: str, args) -> list:
         if self._aborted.is_set():
             raise CommunicatorAborted(f"{BACKEND}: {op} on a group that was aborted")
-        work = work_fn()
-        self._wait(op, work)
-        return _done(outputs)
+        return [_host_copy(op, arg) for arg in args]
 
     def _wait(self, op: str, work) -> None:
         """`work.wait()` on this group's waiter thread, while this thread watches for an abort.
@@ -89,195 +104,85 @@ class EmulatedCollectives(dist.ProcessGroup):
                         f"{BACKEND}: {op} interrupted: the group was aborted"
                     ) from None
 
-    # --- collectives --------------------------------------------------------------------------
+    # --- collectives: the names torch's C++ calls (functional collectives, DTensor) ----------
     def allreduce(self, tensors, opts=None):
-        opts = opts or c10d.AllreduceOptions()
-        host = _to_host("allreduce", tensors)
-        return self._run(
-            "allreduce",
-            tensors,
-            lambda: _then_copy(self._gloo.allreduce(host, opts), host, tensors),
-        )
+        return self._call("allreduce", "allreduce", tensors, opts or c10d.AllreduceOptions())
 
     def allreduce_coalesced(self, tensors, opts=None):
         opts = opts or c10d.AllreduceCoalescedOptions()
-        host = _to_host("allreduce_coalesced", tensors)
-        return self._run(
-            "allreduce_coalesced",
-            tensors,
-            lambda: _then_copy(self._gloo.allreduce_coalesced(host, opts), host, tensors),
-        )
+        return self._call("allreduce_coalesced", "allreduce_coalesced", tensors, opts)
 
     def broadcast(self, tensors, opts=None):
-        opts = opts or c10d.BroadcastOptions()
-        host = _to_host("broadcast", tensors)
-        return self._run(
-            "broadcast",
-            tensors,
-            lambda: _then_copy(self._gloo.broadcast(host, opts), host, tensors),
-        )
+        return self._call("broadcast", "broadcast", tensors, opts or c10d.BroadcastOptions())
 
     def reduce(self, tensors, opts=None):
-        opts = opts or c10d.ReduceOptions()
-        host = _to_host("reduce", tensors)
-        return self._run(
-            "reduce", tensors, lambda: _then_copy(self._gloo.reduce(host, opts), host, tensors)
-        )
+        return self._call("reduce", "reduce", tensors, opts or c10d.ReduceOptions())
 
     def allgather(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        host_in = _to_host("allgather", inputs)
-        host_out = [_to_host("allgather", outs) for outs in output_lists]
-        flat_out = [t for outs in output_lists for t in outs]
-        flat_host = [t for outs in host_out for t in outs]
-        return self._run(
-            "allgather",
-            flat_out,
-            lambda: _then_copy(self._gloo.allgather(host_out, host_in, opts), flat_host, flat_out),
-        )
+        return self._call("allgather", "allgather", output_lists, inputs, opts)
 
     def _allgather_base(self, output, input, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        host_out, host_in = _to_host("all_gather_into_tensor", [output, input])
-        return self._run(
-            "all_gather_into_tensor",
-            [output],
-            lambda: _then_copy(
-                self._gloo._allgather_base(host_out, host_in, opts), [host_out], [output]
-            ),
-        )
+        return self._call("all_gather_into_tensor", "_allgather_base", output, input, opts)
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        host_out = _to_host("allgather_into_tensor_coalesced", outputs)
-        host_in = _to_host("allgather_into_tensor_coalesced", inputs)
+        return self._each("all_gather_into_tensor_coalesced", "_allgather_base", outputs,
+                          inputs, opts)  # fmt: skip
 
-        def gather_each():
-            works = [self._gloo._allgather_base(o, i, opts) for o, i in zip(host_out, host_in)]
-            for work in works[:-1]:
-                self._wait("allgather_into_tensor_coalesced", work)
-            return _then_copy(works[-1], host_out, outputs)
-
-        return self._run("allgather_into_tensor_coalesced", outputs, gather_each)
+    def allgather_coalesced(self, output_lists, inputs, opts=None):
+        opts = opts or c10d.AllgatherOptions()
+        for outputs, tensor in zip(output_lists, inputs, strict=True):
+            self._call("allgather_coalesced", "allgather", [outputs], [tensor], opts)
+        return _done([t for outputs in output_lists for t in outputs])
 
     def reduce_scatter(self, outputs, input_lists, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        host_out = _to_host("reduce_scatter", outputs)
-        host_in = [_to_host("reduce_scatter", ins) for ins in input_lists]
-        return self._run(
-            "reduce_scatter",
-            outputs,
-            lambda: _then_copy(
-                self._gloo.reduce_scatter(host_out, host_in, opts), host_out, outputs
-            ),
-        )
+        return self._call("reduce_scatter", "reduce_scatter", outputs, input_lists, opts)
 
     def _reduce_scatter_base(self, output, input, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        host_out, host_in = _to_host("reduce_scatter_tensor", [output, input])
-        return self._run(
-            "reduce_scatter_tensor",
-            [output],
-            lambda: _then_copy(
-                self._gloo._reduce_scatter_base(host_out, host_in, opts), [host_out], [output]
-            ),
-        )
+        return self._call("reduce_scatter_tensor", "_reduce_scatter_base", output, input, opts)
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        host_out = _to_host("reduce_scatter_tensor_coalesced", outputs)
-        host_in = _to_host("reduce_scatter_tensor_coalesced", inputs)
-
-        def scatter_each():
-            works = [self._gloo._reduce_scatter_base(o, i, opts) for o, i in zip(host_out, host_in)]
-            for work in works[:-1]:
-                self._wait("reduce_scatter_tensor_coalesced", work)
-            return _then_copy(works[-1], host_out, outputs)
-
-        return self._run("reduce_scatter_tensor_coalesced", outputs, scatter_each)
+        return self._each("reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs,
+                          inputs, opts)  # fmt: skip
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts or c10d.AllToAllOptions()
-        host_out, host_in = _to_host("all_to_all_single", [output, input])
-        return self._run(
-            "all_to_all_single",
-            [output],
-            lambda: _then_copy(
-                self._gloo.alltoall_base(
-                    host_out, host_in, output_split_sizes, input_split_sizes, opts
-                ),
-                [host_out],
-                [output],
-            ),
-        )
+        return self._call("all_to_all_single", "alltoall_base", output, input,
+                          output_split_sizes, input_split_sizes, opts)  # fmt: skip
 
     def alltoall(self, outputs, inputs, opts=None):
-        opts = opts or c10d.AllToAllOptions()
-        host_out = _to_host("all_to_all", outputs)
-        host_in = _to_host("all_to_all", inputs)
-        return self._run(
-            "all_to_all",
-            outputs,
-            lambda: _then_copy(self._gloo.alltoall(host_out, host_in, opts), host_out, outputs),
-        )
+        return self._call("all_to_all", "alltoall", outputs, inputs,
+                          opts or c10d.AllToAllOptions())  # fmt: skip
 
     def gather(self, output_lists, inputs, opts=None):
-        opts = opts or c10d.GatherOptions()
-        host_in = _to_host("gather", inputs)
-        host_out = [_to_host("gather", outs) for outs in output_lists]
-        flat_out = [t for outs in output_lists for t in outs]
-        flat_host = [t for outs in host_out for t in outs]
-        return self._run(
-            "gather",
-            flat_out,
-            lambda: _then_copy(self._gloo.gather(host_out, host_in, opts), flat_host, flat_out),
-        )
+        return self._call("gather", "gather", output_lists, inputs, opts or c10d.GatherOptions())
 
     def scatter(self, outputs, input_lists, opts=None):
-        opts = opts or c10d.ScatterOptions()
-        host_out = _to_host("scatter", outputs)
-        host_in = [_to_host("scatter", ins) for ins in input_lists]
-        return self._run(
-            "scatter",
-            outputs,
-            lambda: _then_copy(self._gloo.scatter(host_out, host_in, opts), host_out, outputs),
-        )
+        return self._call("scatter", "scatter", outputs, input_lists,
+                          opts or c10d.ScatterOptions())  # fmt: skip
+
+    def barrier(self, opts=None):
+        # NCCL's barrier is an all-reduce of one element on the accelerator.
+        index = torch.accelerator.current_device_index()
+        return self.allreduce([torch.zeros(1, device=torch.device(DEVICE_TYPE, index))])
 
     # Point-to-point works are returned in flight: a pipeline schedule posts its sends and
     # receives together and waits for them afterwards (`batch_isend_irecv`), so waiting inside
     # `send` would deadlock two stages that both send first.
     def send(self, tensors, dst: int, tag: int = 0):
-        host = _to_host("send", tensors)
+        (host,) = self._to_host("send", (tensors,))
         return _InFlight(self, "send", self._gloo.send(host, dst, tag))
 
     def recv(self, tensors, src: int, tag: int = 0):
-        host = _to_host("recv", tensors)
-        return _InFlight(self, "recv", _then_copy(self._gloo.recv(host, src, tag), host, tensors))
+        (host,) = self._to_host("recv", (tensors,))
+        return _InFlight(self, "recv", self._gloo.recv(host, src, tag), (tensors, host))
 
-    def allgather_coalesced(self, output_lists, inputs, opts=None):
-        opts = opts or c10d.AllgatherOptions()
-        host_in = _to_host("allgather_coalesced", inputs)
-        host_out = [_to_host("allgather_coalesced", outs) for outs in output_lists]
-        flat_out = [t for outs in output_lists for t in outs]
-        flat_host = [t for outs in host_out for t in outs]
-
-        def gather_each():
-            works = [self._gloo.allgather([o], [i], opts) for o, i in zip(host_out, host_in)]
-            for work in works[:-1]:
-                self._wait("allgather_coalesced", work)
-            return _then_copy(works[-1], flat_host, flat_out)
-
-        return self._run("allgather_coalesced", flat_out, gather_each)
-
-    def barrier(self, opts=None):
-        # NCCL's barrier is an all-reduce of one element on the accelerator.
-        flag = torch.zeros(
-            1, device=torch.device(DEVICE_TYPE, torch.accelerator.current_device_index())
-        )
-        return self.allreduce([flag])
-
-    # torch.distributed's eager API calls the same collectives by these names; torch's C++
-    # (functional collectives, DTensor) by the ones above.
+    # torch.distributed's eager API calls the same collectives by these names.
     all_gather_single = _allgather_base
     all_gather_single_coalesced = allgather_into_tensor_coalesced
     reduce_scatter_single = _reduce_scatter_base
@@ -285,46 +190,46 @@ class EmulatedCollectives(dist.ProcessGroup):
     all_to_all_single = alltoall_base
 
 
-def _to_host(op: str, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Host copies of `tensors`, which must all live on the emulated device (NCCL's rule)."""
-    for tensor in tensors:
-        if tensor.device.type != DEVICE_TYPE:
+def _host_copy(op: str, arg):
+    """`arg` with every tensor replaced by a host copy; each must live on the emulated device
+    (NCCL's rule)."""
+    if isinstance(arg, torch.Tensor):
+        if arg.device.type != DEVICE_TYPE:
             raise RuntimeError(
-                f"{BACKEND}: {op} got a tensor on {tensor.device}; like NCCL, this backend "
+                f"{BACKEND}: {op} got a tensor on {arg.device}; like NCCL, this backend "
                 f"takes only tensors on the accelerator ({DEVICE_TYPE})"
             )
-    return [tensor.detach().to("cpu") for tensor in tensors]
+        return arg.detach().to("cpu")
+    if isinstance(arg, (list, tuple)):
+        return [_host_copy(op, item) for item in arg]
+    return arg
 
 
-class _CopyBack:
-    """A gloo work whose host results are copied into the device tensors once it is waited."""
+def _copy_into(device, host) -> None:
+    with torch.no_grad():
+        for target, result in zip(_flat(device), _flat(host), strict=True):
+            target.copy_(result)
 
-    def __init__(self, work, host, device):
-        self.work, self.host, self.device = work, host, device
 
-    def wait(self) -> None:
-        self.work.wait()
-        with torch.no_grad():
-            for target, result in zip(self.device, self.host, strict=True):
-                target.copy_(result)
+def _flat(arg) -> list[torch.Tensor]:
+    if isinstance(arg, torch.Tensor):
+        return [arg]
+    return [t for item in arg for t in _flat(item)]
 
 
 class _InFlight(dist.distributed_c10d.Work):
-    """A work still running on gloo; `wait` waits for it as the group's collectives do."""
+    """A gloo work still running; `wait` waits for it as the group's collectives do, then
+    copies a receive's host buffers (`copy_back`: device, host) into the device tensors."""
 
-    def __init__(self, group: EmulatedCollectives, op: str, work):
+    def __init__(self, group: EmulatedCollectives, op: str, work, copy_back=None):
         super().__init__()
-        if group._aborted.is_set():
-            raise CommunicatorAborted(f"{BACKEND}: {op} on a group that was aborted")
-        self._group, self._op, self._work = group, op, work
+        self._group, self._op, self._work, self._copy_back = group, op, work, copy_back
 
     def wait(self, timeout=None) -> bool:
         self._group._wait(self._op, self._work)
+        if self._copy_back is not None:
+            _copy_into(*self._copy_back)
         return True
-
-
-def _then_copy(work, host, device) -> _CopyBack:
-    return _CopyBack(work, host, device)
 
 
 def _done(outputs: list[torch.Tensor]) -> dist.Work:

@@ -8,13 +8,11 @@ the bound is 1e-4 rather than the CPU's 1e-5; bf16 is held to its unit roundoff 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "distributed"))
+from harness import WorkerPool
+from matrix import STEPS, cfg, reference
+from test_engine_matrix import LAYOUTS, _layout
 
 pytestmark = pytest.mark.gpu
 
@@ -27,40 +25,14 @@ def _needs(gpus: int):
 
 @pytest.fixture(scope="module")
 def pool():
-    from harness import WorkerPool
-
     workers = WorkerPool(max(1, min(4, GPUS)))
     yield workers
     workers.close()
 
 
-@pytest.fixture(scope="module")
-def cfg(token_data, tmp_path_factory):
-    from conftest import REPO
-    from test_engine_matrix import GLOBAL_BATCH, STEPS
-
-    from raytrain_dt.config import load_config
-
-    return load_config(
-        REPO / "conf" / "test.yaml",
-        [f"data.path={token_data}", f"run.dir={tmp_path_factory.mktemp('cuda')}",
-         "model.n_layers=4", f"trainer.steps={STEPS}", f"trainer.global_batch={GLOBAL_BATCH}"],
-    )  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def reference(cfg):
-    from reference import reference_run
-    from test_engine_matrix import STEPS
-
-    return reference_run(cfg, STEPS)
-
-
 @_needs(2)
 @pytest.mark.parametrize("name", ["ddp", "fsdp2-full", "dp2xtp2+sp", "pp2-1f1b"])
 def test_cuda_fp32_run_equals_the_reference(pool, cfg, reference, name):
-    from test_engine_matrix import LAYOUTS, STEPS
-
     result = pool.run(cfg, LAYOUTS[name], STEPS, device="cuda")
     assert result.param_device == "cuda"
     assert result.losses == pytest.approx(reference[0], abs=1e-4)
@@ -70,16 +42,12 @@ def test_cuda_fp32_run_equals_the_reference(pool, cfg, reference, name):
 
 @_needs(2)
 def test_cuda_bf16_tracks_the_fp32_reference(pool, cfg, reference):
-    from test_engine_matrix import LAYOUTS, STEPS
-
     result = pool.run(cfg, LAYOUTS["fsdp2-full"], STEPS, device="cuda", precision="bf16")
     assert result.losses == pytest.approx(reference[0], rel=2**-9)
 
 
 @_needs(2)
 def test_cuda_async_save_stages_through_pinned_memory(pool, cfg, reference, tmp_path):
-    from test_engine_matrix import LAYOUTS, STEPS
-
     result = pool.run(cfg, LAYOUTS["fsdp2-full"], STEPS, device="cuda",
                       async_save_dir=str(tmp_path / "ckpt"), async_save_after=3)  # fmt: skip
     assert result.staged_pinned is True
@@ -87,8 +55,6 @@ def test_cuda_async_save_stages_through_pinned_memory(pool, cfg, reference, tmp_
 
 @_needs(1)
 def test_one_gpu_step_runs_on_the_device(pool, cfg, reference):
-    from test_engine_matrix import STEPS, _layout
-
     result = pool.run(cfg, _layout(zero=3, dp_shard=1), STEPS, device="cuda")
     assert result.param_device == "cuda"
     assert result.losses == pytest.approx(reference[0], abs=1e-4)
