@@ -42,6 +42,7 @@ bench: install
 	-$(PY) bench/bench_input.py
 	-$(PY) bench/bench_startup.py
 	-$(PY) bench/bench_elastic.py
+	-$(PY) bench/bench_gpu.py
 	$(PY) bench/render.py --suite-started $$(cat runs/.bench_started)
 
 clean:

@@ -73,7 +73,6 @@ from raytrain_dt.control.states import (
     Stopped,
     Waiting,
 )
-from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import ConfigError, UserError
 from raytrain_dt.models.spec import ModelSpec, model_spec
 from raytrain_dt.observe.exporters import default_sinks
@@ -104,17 +103,14 @@ class Coordinator(GroupRecovery):
         self.user_dataset, self.tokenize = dataset, tokenize
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
-    def _prepare(self) -> TokenDataset:
+    def _prepare(self) -> None:
         existing = self.store.committed()
         if existing and not self.cfg.resume:
             raise UserError(
                 f"run.dir: {self.run_dir} already has checkpoints (latest step "
                 f"{existing[-1].step}); pass resume=true to continue it or choose another run.dir"
             )
-        # User data is packed with Ray Data, so only once connected (`run`).
-        user_data = uses_user_data(self.cfg, self.user_dataset)
-        dataset = None if user_data else open_dataset(self.cfg)
-        if not user_data and self.shape.vocab_size < 256:
+        if not uses_user_data(self.cfg, self.user_dataset) and self.shape.vocab_size < 256:
             raise ConfigError(f"model.vocab_size: {self.shape.vocab_size} < 256 byte tokens")
         if self.cfg.model.init_from and not existing:
             check_matches(self.cfg.model.init_from, self.shape)
@@ -122,18 +118,19 @@ class Coordinator(GroupRecovery):
             check_resume_fits(existing[-1], self.model_spec, self.cfg.data.seq_len)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         (self.run_dir / "config.yaml").write_text(to_yaml(self.cfg))
-        return dataset
 
     def run(self) -> RunResult:
-        self.dataset = self._prepare()
+        self._prepare()
         handler = setup_driver_logging(self.run_dir)
         try:
             connecting = time.perf_counter()
             with connect(self.cfg.cluster, self.ray_temp_dir) as handle:
                 self.ray_start_s = time.perf_counter() - connecting  # start-up benchmark
-                if self.dataset is None:
-                    self.dataset = open_dataset(self.cfg, self.user_dataset, self.tokenize,
-                                                self.shape.vocab_size)  # fmt: skip
+                # A device the cluster cannot give is refused before any work: preparing the
+                # default corpus takes minutes, packing user data needs Ray Data.
+                check_device_available(self.cfg.cluster)
+                self.dataset = open_dataset(self.cfg, self.user_dataset, self.tokenize,
+                                            self.shape.vocab_size)  # fmt: skip
                 return self._run(handle)
         finally:
             logging.getLogger("raytrain_dt").removeHandler(handler)
@@ -141,7 +138,6 @@ class Coordinator(GroupRecovery):
 
     # --- the state machine -------------------------------------------------------------------
     def _run(self, handle: ClusterHandle) -> RunResult:
-        check_device_available(self.cfg.cluster)
         self.begin(
             handle.accelerator_resource,
             RayClusterView(handle.accelerator_resource),
