@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 #   make install TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: install demo test lint bench clean
+.PHONY: install demo test lint bench gpu-check clean
 
 $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
@@ -27,6 +27,11 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) -m pytest -q
+
+# On a GPU machine: doctor on CUDA, then the `gpu`-marked tests (deselected everywhere else).
+gpu-check: install
+	$(VENV)/bin/raytrain-dt doctor --device cuda
+	$(PY) -m pytest -q -m gpu
 
 lint: install
 	$(VENV)/bin/ruff check --fix . && $(VENV)/bin/ruff format .

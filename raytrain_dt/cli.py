@@ -1,4 +1,4 @@
-"""`raytrain-dt` command line: train, prepare-data, plan, ckpt, report, status, simulate.
+"""`raytrain-dt` command line: train, doctor, prepare-data, plan, ckpt, report, status, simulate.
 
 User errors (`UserError`) print one line to stderr and exit with code 2; anything else is a bug
 and keeps its traceback.
@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from raytrain_dt.checkpoint.cli import add_ckpt_arguments
+from raytrain_dt.doctor.cli import add_doctor_arguments
 from raytrain_dt.errors import UserError
 from raytrain_dt.sim.cli import add_simulate_arguments
 from raytrain_dt.topology.plan_cli import add_plan_arguments
@@ -50,6 +51,12 @@ def _train(args: argparse.Namespace) -> int:
     )
     # Stopped (SIGTERM, `ray job stop`): checkpointed, not finished; the same run.dir resumes.
     return 128 + signal.SIGTERM if result.stopped else 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from raytrain_dt.doctor.cli import run_doctor
+
+    return run_doctor(args)
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -103,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("overrides", nargs="*", help="dotlist overrides, e.g. trainer.steps=30")
     p.add_argument("--address", help="Ray cluster to join (default: RAY_ADDRESS, else embedded)")
     p.set_defaults(func=_train)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check a cluster before a long job: versions, GPUs, all-reduce bandwidth, "
+        "a step per engine, reuse after a killed rank, disk",
+    )
+    add_doctor_arguments(p)
+    p.set_defaults(func=_doctor)
 
     p = sub.add_parser("prepare-data", help="tokenize text files into a parquet dataset")
     p.add_argument("--out", required=True)

@@ -37,6 +37,16 @@ class ActorSlot:
     pid: int = 0  # the actor's worker process
 
 
+def rank_actor_options(resource: str, cpus_per_rank: float) -> dict:
+    """Ray resources of one rank actor: one accelerator (a GPU, or the simulated resource) and
+    its share of CPUs; a whole CPU where the CPU is the accelerator."""
+    if resource == "CPU":
+        return {"num_cpus": 1}
+    if resource == "GPU":
+        return {"num_gpus": 1, "num_cpus": cpus_per_rank}
+    return {"num_cpus": cpus_per_rank, "resources": {resource: 1}}
+
+
 @dataclass
 class NodeReservation:
     """One placement group on one node; a bundle freed by a dead actor is reused."""
@@ -74,11 +84,7 @@ class RankGroup:
 
     # --- placement ---------------------------------------------------------------------------
     def _actor_options(self) -> dict:
-        if self.resource == "CPU":
-            return {"num_cpus": 1}
-        if self.resource == "GPU":
-            return {"num_gpus": 1, "num_cpus": self.cpus_per_rank}
-        return {"num_cpus": self.cpus_per_rank, "resources": {self.resource: 1}}
+        return rank_actor_options(self.resource, self.cpus_per_rank)
 
     def _bundle(self) -> dict:
         options = self._actor_options()
