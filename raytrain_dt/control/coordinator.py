@@ -56,6 +56,7 @@ from raytrain_dt.control.recovery_timing import RecoveryTimer
 from raytrain_dt.control.run_setup import (
     RunResult,
     TrainingFailed,
+    check_dataset,
     model_shape,
     open_dataset,
     plan_for_nodes,
@@ -110,6 +111,7 @@ class Coordinator(GroupRecovery):
                 f"run.dir: {self.run_dir} already has checkpoints (latest step "
                 f"{existing[-1].step}); pass resume=true to continue it or choose another run.dir"
             )
+        check_dataset(self.cfg, self.user_dataset)
         if not uses_user_data(self.cfg, self.user_dataset) and self.shape.vocab_size < 256:
             raise ConfigError(f"model.vocab_size: {self.shape.vocab_size} < 256 byte tokens")
         if self.cfg.model.init_from and not existing:

@@ -64,7 +64,7 @@ def open_dataset(cfg: TrainConfig, dataset: object | None = None, tokenize=None,
         cache = Path(cfg.data.cache_dir or Path(cfg.run.dir) / "data_cache")
         return open_user_dataset(cfg.data, cache, vocab_size, dataset, tokenize)
     path = Path(cfg.data.path)
-    if not path.exists() and (cfg.data.path == DEFAULT_DATA_PATH or cfg.data.text_glob):
+    if _to_be_prepared(cfg):
         log.info(
             "dataset %s does not exist yet: preparing it from %s",
             path,
@@ -72,6 +72,19 @@ def open_dataset(cfg: TrainConfig, dataset: object | None = None, tokenize=None,
         )
         prepare_dataset(path, cfg.data.text_glob, cfg.data.seq_len)
     return TokenDataset.open(path, cfg.data.seq_len)
+
+
+def _to_be_prepared(cfg: TrainConfig) -> bool:
+    """The default corpus, or a `data.text_glob` one, not prepared yet (done on first use)."""
+    missing = not Path(cfg.data.path).exists()
+    return missing and (cfg.data.path == DEFAULT_DATA_PATH or bool(cfg.data.text_glob))
+
+
+def check_dataset(cfg: TrainConfig, dataset: object | None = None) -> None:
+    """Before Ray starts: a token dataset that is there is opened (its metadata checked
+    against the config); one that is neither there nor to be prepared is refused."""
+    if not uses_user_data(cfg, dataset) and not _to_be_prepared(cfg):
+        TokenDataset.open(cfg.data.path, cfg.data.seq_len)
 
 
 def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gpu: bool) -> Plan:
