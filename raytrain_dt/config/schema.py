@@ -184,6 +184,9 @@ class ClusterConfig:
     peak_tflops: float | None = None
     # Seconds to wait for the placement group before giving up with a clear message.
     placement_timeout_s: float = 60.0
+    # Host memory of one node, GB, that the planner fits offloaded states, async checkpoint
+    # staging buffers and the rank processes into. Null: Ray's `memory` of the smallest node.
+    host_memory_gb: float | None = None
 
 
 @dataclass
@@ -199,6 +202,9 @@ class CheckpointConfig:
     keep_every: int = 0
     # Stage shards to CPU and write them in the background (DCP async save).
     async_save: bool = True
+    # GB/s one rank is assumed to write (and read) its share of a checkpoint at, until a commit
+    # has measured it: what save, drain and load deadlines are sized with. Conservative.
+    assumed_write_gbps: float = 0.1
 
 
 @dataclass
@@ -215,8 +221,15 @@ class ElasticConfig:
     max_failures_at_step: int = 2
     # Seconds to wait for capacity while below elastic.min_nodes, before stopping.
     wait_timeout_s: float = 300.0
-    # No completed step for this long while training: the group is hung and is torn down.
+    # The least time without a completed step that counts as a hang: the group is torn down.
+    # The bound in force is the larger of this and elastic.hang_step_multiple x the p99 of the
+    # recent step times (before those are measured: the planner's step-time estimate).
     hang_timeout_s: float = 60.0
+    # A hang is no step for this many times the p99 of the layout's recent step times; at least 1.
+    hang_step_multiple: float = 5.0
+    # Seconds a formation may take (placement, actor start, process group, build) before it
+    # counts as failed, plus the time a resumed checkpoint takes to load at the write rate.
+    formation_timeout_s: float = 900.0
     # Grow only after new capacity has stayed this long (hysteresis against flapping nodes).
     grow_stable_s: float = 2.0
     # Node-local spot notice endpoint, polled by every rank (404 = no notice). `{node_id}` is
@@ -331,11 +344,14 @@ _POSITIVE = (
     "cluster.memory_per_accelerator_gb",
     "cluster.peak_tflops",
     "cluster.placement_timeout_s",
+    "cluster.host_memory_gb",
     "elastic.min_nodes",
     "elastic.max_nodes",
     "elastic.max_failures_at_step",
     "elastic.wait_timeout_s",
     "elastic.hang_timeout_s",
+    "elastic.formation_timeout_s",
+    "checkpoint.assumed_write_gbps",
     "checkpoint.keep_last",
     "model.dim",
     "model.n_layers",
@@ -407,6 +423,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     if cfg.model.init_from and cfg.model.hf:
         raise ConfigError("model.init_from: not with model.hf (whose directory has the weights)")
     e = cfg.elastic
+    if e.hang_step_multiple < 1:
+        raise ConfigError(f"elastic.hang_step_multiple: must be >= 1, got {e.hang_step_multiple}")
     if e.max_nodes is not None and e.max_nodes < e.min_nodes:
         raise ConfigError(f"elastic.max_nodes: {e.max_nodes} < elastic.min_nodes={e.min_nodes}")
     if cfg.data.seq_len < 2:

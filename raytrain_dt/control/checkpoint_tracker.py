@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.observe.metrics import RunRecorder
@@ -15,8 +16,11 @@ log = logging.getLogger(__name__)
 
 class CheckpointTracker:
     def __init__(self, store: CheckpointStore, world_size: int, recorder: RunRecorder,
-                 keep_last: int, keep_every: int):  # fmt: skip
+                 keep_last: int, keep_every: int,
+                 on_commit: Callable[[float, float], None] = lambda nbytes, write_s: None):  # fmt: skip
+        """`on_commit(bytes, write_s)`: told each committed checkpoint's size and write time."""
         self.store = store
+        self.on_commit = on_commit
         self.world_size = world_size
         self.recorder = recorder
         self.keep_last = keep_last
@@ -55,14 +59,17 @@ class CheckpointTracker:
     def _commit(self, step: int) -> None:
         ref = self.store.commit(step, self._train_state[step])
         self.last_committed = step
+        nbytes = sum(f["size"] for f in ref.record["files"].values())
+        write_s = time.time() - self._started.get(step, time.time())
         self.recorder.event(
             "checkpoint",
             step=step,
             path=ref.uri,
             stall_s=self._stall.get(step, 0.0),
-            write_s=time.time() - self._started.get(step, time.time()),
-            bytes=sum(f["size"] for f in ref.record["files"].values()),
+            write_s=write_s,
+            bytes=nbytes,
         )
+        self.on_commit(nbytes, write_s)
         self._forget(step)
         for uri in self.store.prune(self.keep_last, self.keep_every, self.in_flight):
             self.recorder.event("checkpoint_deleted", path=uri)

@@ -40,6 +40,7 @@ from raytrain_dt.control.cluster import (
     simulated_node_args,
 )
 from raytrain_dt.control.comm_env import run_comm_env, with_comm_env
+from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.policies import (
     ElasticPolicy,
     Fail,
@@ -204,6 +205,7 @@ class Coordinator(GroupRecovery):
         self.timings: list[dict] = []
         self.capacity_requested: list[dict] = []  # nothing asked of the autoscaler yet
         self.recovery = RecoveryTimer()
+        self.deadlines = Deadlines.from_config(self.cfg)
         self._formation_timer: RecoveryTimer | None = None  # runs until the first step
         self._last_healthy = time.perf_counter()
         self._shrunk_at = float("-inf")  # perf_counter of the latest failure
@@ -349,6 +351,7 @@ class Coordinator(GroupRecovery):
         self.bar.set_postfix(loss=f"{report['loss']:.4f}", tok_s=f"{report['tokens_per_s']:.0f}",
                              world=layout.dims.world_size)  # fmt: skip
         self.step, self.last_progress = report["step"], time.time()
+        self.deadlines.step_finished(report.get("finished_at", self.last_progress))
         self.streak.progressed(self.step)
         if self._formation_timer is not None:  # the whole breakdown, first step included
             timer, self._formation_timer = self._formation_timer, None
@@ -363,11 +366,11 @@ class Coordinator(GroupRecovery):
         self._last_healthy = time.perf_counter()
         if all(s["state"] == "done" for s in statuses):
             return Finished(self.step)
-        if time.time() - self.last_progress > self.cfg.elastic.hang_timeout_s:
-            log.warning(
-                "no step completed for %.0fs: the group is hung", self.cfg.elastic.hang_timeout_s
-            )
-            return self._on_failure("hung", [])
+        bound = self.deadlines.hang_bound(saving=bool(self.tracker.in_flight))
+        if time.time() - self.last_progress > bound.seconds:
+            log.warning("no step completed for %.0fs (%s): the group is hung", bound.seconds,
+                        bound.detail)  # fmt: skip
+            return self._on_failure("hung", [], bound)
         self._fire_node_chaos()
         if time.time() - self._last_cluster_check > CLUSTER_CHECK_INTERVAL_S:
             self._last_cluster_check = time.time()

@@ -148,11 +148,14 @@ class RankGroup:
                                          bundle_index, time.time()))  # fmt: skip
         return started
 
-    def _create_on_node(self, node_id: str, count: int, timeout_s: float) -> list[ActorSlot]:
+    def _create_on_node(self, node_id: str, count: int, timeout_s: float,
+                        start_timeout_s: float | None = None) -> list[ActorSlot]:  # fmt: skip
+        """Start actors on the node and wait for them; a TimeoutError (Ray's GetTimeoutError)
+        once they have not all started within `start_timeout_s`."""
         import ray
 
         started = self._start_on_node(node_id, count, timeout_s)
-        reports = ray.get([a.where for a in started])
+        reports = ray.get([a.where for a in started], timeout=start_timeout_s)
         return [_started_slot(a, r) for a, r in zip(started, reports)]
 
     # --- actors warmed ahead of need ---------------------------------------------------------
@@ -206,9 +209,11 @@ class RankGroup:
             self.starting = [a for a in self.starting if a not in doomed]
             self._release(doomed)
 
-    def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
+    def form(self, counts_by_node: dict[str, int], timeout_s: float,
+             start_timeout_s: float | None = None) -> None:  # fmt: skip
         """Have exactly counts_by_node[node] actors on each node: keep survivors, create the
-        missing ones, release the rest. Then order slots by rank."""
+        missing ones, release the rest. Then order slots by rank. `timeout_s`: for placement;
+        `start_timeout_s`: for the new actors to start (a TimeoutError past it)."""
         if any(
             count > self.actors_on(n) - self.starting_on(n) for n, count in counts_by_node.items()
         ):
@@ -221,7 +226,8 @@ class RankGroup:
                 spare.remove(slot)
             keep += here
             if count > len(here):
-                keep += self._create_on_node(node_id, count - len(here), timeout_s)
+                keep += self._create_on_node(node_id, count - len(here), timeout_s,
+                                             start_timeout_s)  # fmt: skip
         reports = [{"node_id": s.node_id, "actor_index": s.actor_index} for s in keep]
         ranks = assign_ranks(reports)
         self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]
@@ -243,7 +249,8 @@ class RankGroup:
     def call(
         self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None
     ):
-        """Call `method` on every rank concurrently (collectives need all ranks in) and wait."""
+        """Call `method` on every rank concurrently (collectives need all ranks in) and wait:
+        a TimeoutError (Ray's GetTimeoutError) once that is more than `timeout_s`."""
         import ray
 
         refs = [

@@ -1,6 +1,7 @@
 """Forming and recovering the rank group, the coordinator's hands: (re)form the group at a
 decided layout from the right checkpoint, react to dead or hung ranks, drain (checkpoint at the
-next step boundary) before a planned resize or a stop, and fire node-level chaos.
+next step boundary) before a planned resize or a stop, and fire node-level chaos. The
+deadlines of formations, hangs and drains come from `control/deadlines.py`.
 
 A mixin of `Coordinator` (it shares the coordinator's run state); the state machine and the
 decisions stay in `coordinator.py`.
@@ -16,12 +17,14 @@ from dataclasses import replace
 
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.cluster import NodeInfo
+from raytrain_dt.control.deadlines import Bound
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.control.policies import Resize
 from raytrain_dt.control.recovery_timing import RecoveryTimer
-from raytrain_dt.control.run_setup import rank_specs
+from raytrain_dt.control.run_setup import planned_checkpoint_bytes, rank_specs
 from raytrain_dt.control.states import (
     Draining,
+    Failed,
     Resizing,
     Restarting,
     Running,
@@ -57,19 +60,38 @@ class GroupRecovery:
         except ValueError:  # capacity went since the decision (a node, an actor): re-plan
             log.warning("no room for %s any more: re-planning", decision.layout.describe())
             return self._decide(self._observe("failed" if isinstance(state, Restarting) else "ok"))
-        self.group.form(counts, self.cfg.cluster.placement_timeout_s)
-        formed = time.perf_counter()
-        cfg = replace(self.cfg, chaos=self.chaos.remaining())
-        specs = rank_specs(cfg, self.shape, decision.layout, self.dataset, self.group.master_endpoint(),
-                           self.checkpoint_root, resume, self.model_spec)  # fmt: skip
-        setup = self.group.call("setup", [(s,) for s in specs])
+        planned_bytes = planned_checkpoint_bytes(self.cfg, self.shape, decision.layout,
+                                                 self.resource == "GPU")  # fmt: skip
+        bound = self.deadlines.formation_bound(decision.layout.dims.world_size, resume is not None,
+                                               planned_bytes)  # fmt: skip
+        forming = time.perf_counter()  # the deadline's clock: after the old layout has left
+        try:
+            self.group.form(
+                counts, self.cfg.cluster.placement_timeout_s, start_timeout_s=bound.seconds
+            )
+            formed = time.perf_counter()
+            cfg = replace(self.cfg, chaos=self.chaos.remaining())
+            specs = rank_specs(cfg, self.shape, decision.layout, self.dataset, self.group.master_endpoint(),
+                               self.checkpoint_root, resume, self.model_spec)  # fmt: skip
+            setup = self.group.call("setup", [(s,) for s in specs],
+                                    timeout_s=max(0.0, bound.seconds - (formed - forming)))  # fmt: skip
+        except TimeoutError as exc:
+            return self._formation_timed_out(decision, bound, exc)
         self.layout, self.layout_nodes = decision.layout, tuple(sorted(counts))
         self.formed = True
         self.step = resume_step
         self.bar.n = resume_step
         self.tracker = CheckpointTracker(self.store, decision.layout.dims.world_size, self.recorder,
-                                         self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every)  # fmt: skip
+                                         self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
+                                         self.deadlines.checkpoint_committed)  # fmt: skip
         self.last_progress = self.last_formed_at = time.time()
+        plan = self._last_plan  # the decision's layout is the best of the latest plan
+        predicted = (
+            plan.best.step_time.total_s if plan and plan.best.layout == decision.layout else None
+        )
+        self.deadlines.formed(predicted_step_s=predicted, setup_s=time.perf_counter() - formed,
+                              world_size=decision.layout.dims.world_size,
+                              checkpoint_bytes=planned_bytes)  # fmt: skip
         self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
                              "setup_s": time.perf_counter() - formed, "ranks": setup})  # fmt: skip
         (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
@@ -90,6 +112,16 @@ class GroupRecovery:
         self.group.call("start")  # after the event: no step may precede its formation's record
         self.group_left = False
         return Running()
+
+    def _formation_timed_out(self, decision: Resize, bound: Bound, exc: TimeoutError) -> State:
+        """The formation missed its deadline. The run stops with its checkpoints intact and
+        the reason; this is the one place a retry elsewhere would go."""
+        reason = (f"elastic.formation_timeout_s: forming {decision.layout.describe()} took more "
+                  f"than {bound.seconds:.0f}s ({bound.detail}): {exc}")  # fmt: skip
+        self.recorder.event("failure", health="formation_timeout", step=self.step, ranks={},
+                            **bound.fields())  # fmt: skip
+        log.error("%s", reason)
+        return Failed(reason)
 
     def _leave_layout(self, grace_s: float = 2.0) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports
@@ -160,7 +192,8 @@ class GroupRecovery:
     def _failure_step(self) -> int:
         return max(self.step, self.failed_step)
 
-    def _on_failure(self, health: str, broken: list[dict]) -> State:
+    def _on_failure(self, health: str, broken: list[dict], bound: Bound | None = None) -> State:
+        """`bound`: the deadline a hung group missed (recorded with the failure)."""
         self.recovery.cause(self._last_healthy)
         self._shrunk_at = self._last_healthy
         if health == "failed":
@@ -170,7 +203,10 @@ class GroupRecovery:
         lost = lost_with_node(broken, [s.node_id for s in self.group.slots])
         lost |= set(self.layout_nodes) - {n.node_id for n in self.cluster.nodes()}
         self.lost_nodes |= lost
-        self.recorder.event("failure", health=health, step=self.step, ranks=errors)
+        missed = {}  # the deadline a hung group missed, and how long it had gone without a step
+        if bound is not None:
+            missed = {**bound.fields(), "since_step_s": round(time.time() - self.last_progress, 3)}
+        self.recorder.event("failure", health=health, step=self.step, ranks=errors, **missed)
         log.warning("ranks %s %s at step %d: %s", sorted(errors), health, self.step + 1, errors)
         # A lost node is not the step's fault: only the training's own failures repeat.
         self.streak.failed(self.step, training_fault=not lost)
@@ -213,10 +249,13 @@ class GroupRecovery:
         """Save at the next step boundary and stop there; resize once it is committed."""
         started = time.perf_counter()
         self.group.try_call("request_checkpoint_and_stop", timeout_s=30)
-        deadline = time.time() + self.cfg.elastic.hang_timeout_s
+        bound = self.deadlines.drain_bound(saving=bool(self.tracker.in_flight))
+        deadline = time.time() + bound.seconds
         while True:
             if time.time() > deadline:
-                return self._on_failure("hung", [])
+                log.warning("no drain within %.0fs (%s): the group is hung", bound.seconds,
+                            bound.detail)  # fmt: skip
+                return self._on_failure("hung", [], bound)
             statuses = self.group.poll()
             self._handle_reports(statuses)
             broken = broken_statuses(statuses)

@@ -18,6 +18,7 @@ from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import PlanningError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.models.spec import ModelSpec, model_spec
+from raytrain_dt.topology.host_memory import checkpoint_bytes
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.pins import LayoutPins
 from raytrain_dt.topology.planner import Plan, plan
@@ -101,6 +102,7 @@ def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gp
         pins=pins,
         precision=resolve_precision(cfg.engine.precision, on_gpu),
         engine=cfg.engine.name,
+        async_save=cfg.checkpoint.async_save,
     )
 
 
@@ -117,6 +119,13 @@ def plan_for_nodes(cfg: TrainConfig, shape: ModelShape, resource: str,
     except PlanningError as exc:
         log.warning("no layout on %d nodes: %s", len(nodes), exc)
         return None
+
+
+def planned_checkpoint_bytes(cfg: TrainConfig, shape: ModelShape, layout: Layout,
+                             on_gpu: bool) -> float:  # fmt: skip
+    """The memory model's size of this run's checkpoint at `layout` (before one is measured)."""
+    return checkpoint_bytes(shape, engine=cfg.engine.name, zero_stage=layout.zero_stage,
+                            precision=resolve_precision(cfg.engine.precision, on_gpu))  # fmt: skip
 
 
 def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: TokenDataset,

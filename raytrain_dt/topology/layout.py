@@ -26,6 +26,11 @@ class Topology:
     # Accelerators usable in all when the last node is only partly used (e.g. 3 ranks on nodes
     # of 2); 0: every accelerator of every node.
     accelerators: int = 0
+    # Host memory of the smallest node; 0: unknown, and the planner does not check it.
+    host_memory_per_node: float = 0.0
+    # The accelerators' memory is host RAM (cpu and emulated devices): a node's host needs
+    # include it.
+    device_memory_on_host: bool = False
 
     @property
     def num_accelerators(self) -> int:

@@ -133,8 +133,8 @@ def model_state_bytes(
     per_param = resident_bytes_per_param(engine, precision, zero_stage, shard)
     params, grads, optimizer = (local * b for b in per_param)
     # FSDP2's CPUOffloadPolicy (engine.offload_optimizer) moves the parameter and gradient
-    # shards to the host too; they stay priced here, as the planner knows no host memory to
-    # check them against and offers offload only when nothing else fits.
+    # shards to the host too; they stay priced here as well (conservative: each block's are
+    # streamed back for its compute). `host_memory.py` prices their host side.
     # Offloaded states live in host memory; the accelerator only streams them.
     return (0.0 if offload_params else params), grads, (0.0 if offload_optimizer else optimizer)
 

@@ -37,6 +37,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     cluster.add_argument(
         "--gpu-mem-gb", type=float, default=80.0, help="memory per accelerator, GB"
     )
+    cluster.add_argument(
+        "--host-mem-gb",
+        type=float,
+        default=None,
+        help="host memory per node, GB (default: not checked)",
+    )
     cluster.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s each")
     cluster.add_argument(
         "--intra-gbps", type=float, default=450.0, help="NVLink GB/s per accelerator"
@@ -89,6 +95,8 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
         nodes = args.nodes
     if nodes < 1 or per_node < 1:
         raise UserError(f"--nodes/--gpus-per-node: must be >= 1, got {nodes}, {per_node}")
+    if args.host_mem_gb is not None and args.host_mem_gb <= 0:
+        raise UserError(f"--host-mem-gb: must be > 0, got {args.host_mem_gb}")
     topo = Topology(
         num_nodes=nodes,
         accelerators_per_node=per_node,
@@ -96,6 +104,7 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
         peak_flops=args.peak_tflops * 1e12,
         intra_node_bandwidth=args.intra_gbps * 1e9,
         inter_node_bandwidth=args.inter_gbps * 1e9,
+        host_memory_per_node=(args.host_mem_gb or 0.0) * 1e9,
     )
     batch = args.global_batch or max(1, round(DEFAULT_TOKENS_PER_STEP / args.seq_len))
     return name, shape, topo, batch
@@ -137,6 +146,12 @@ def format_plan(name: str, shape: ModelShape, topo: Topology, p: Plan, seq_len: 
         + str(d.dp)
         + " (tp=pp=1): "
         + ", ".join(f"{k} {v:.1f}" for k, v in p.model_states_gb.items()),
+        f"host memory per node (GB) {b.host_per_node / 1e9:.1f}"
+        + (
+            f" of {topo.host_memory_per_node / 1e9:.0f}"
+            if topo.host_memory_per_node
+            else " (not checked: --host-mem-gb)"
+        ),
         "",
         f"step time (s)  {t.total_s:.3f}",
         *(

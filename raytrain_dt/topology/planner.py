@@ -2,9 +2,10 @@
 
 `plan()` enumerates the layouts the cluster and the pins allow, on every world size worth
 trying, prices each with the memory model (`memory.py`) and the step-time model (`cost.py`),
-drops those that do not fit, and ranks the rest by estimated step time. It is pure arithmetic:
-deterministic, no side effects, and fast enough (well under a second for 405B on 8192 GPUs) to
-run on every resize.
+drops those that do not fit (on the accelerator, and in the node's host memory when the
+topology knows it: `host_memory.py`), and ranks the rest by estimated step time. It is pure
+arithmetic: deterministic, no side effects, and fast enough (well under a second for 405B on
+8192 GPUs) to run on every resize.
 
 Rules: TP divides the accelerators per node (TP never leaves NVLink) and the head counts;
 PP divides the layers; the global batch G is kept exactly. Where dp divides G each rank reads
@@ -24,6 +25,11 @@ from dataclasses import dataclass, field
 from raytrain_dt.errors import ConfigError, PlanningError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.cost import StepTime, compute_s, estimate_step_time
+from raytrain_dt.topology.host_memory import (
+    HostMemoryEstimate,
+    host_bytes_per_rank,
+    ranks_per_node,
+)
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import (
     GB,
@@ -41,6 +47,7 @@ class Candidate:
     memory: MemoryEstimate
     step_time: StepTime
     reason: str = ""
+    host_per_node: float = 0.0  # host bytes its fullest node needs (`host_memory.py`)
 
 
 @dataclass
@@ -79,6 +86,7 @@ def _candidate_json(c: Candidate) -> dict:
             **{k: getattr(lay, k) for k in _LAYOUT_KEYS},
         },
         "memory_gb_per_rank": {k: round(v, 3) for k, v in gb.items()},
+        "host_memory_gb_per_node": round(c.host_per_node / GB, 3),
         "step_time_s": round(c.step_time.total_s, 6),
         "step_time_breakdown_s": {k: round(v, 6) for k, v in c.step_time.as_dict().items()},
         "reason": c.reason,
@@ -175,12 +183,43 @@ class _Opts:
     mfu: float
     max_micro_batch: int
     engine: str
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class _HostNeed:
+    """What a layout's fullest node needs in host memory."""
+
+    layout: Layout
+    rank: HostMemoryEstimate
+    ranks: int
+
+    @property
+    def per_node(self) -> float:
+        return self.ranks * self.rank.total
+
+
+def _host_need(
+    shape, layout: Layout, memory: MemoryEstimate, topo: Topology, o: _Opts
+) -> _HostNeed:
+    device = memory.total if topo.device_memory_on_host else 0.0
+    rank = host_bytes_per_rank(shape, layout, engine=o.engine, precision=o.precision,
+                               async_save=o.async_save, device_bytes=device)  # fmt: skip
+    return _HostNeed(layout, rank, ranks_per_node(layout, topo))
+
+
+def _leaner(a: _HostNeed | None, b: _HostNeed | None) -> _HostNeed | None:
+    if a is None or b is None:
+        return a or b
+    return a if a.per_node <= b.per_node else b
 
 
 def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
-    """All fitting candidates of `cells` (`_grid`), plus the leanest (lowest memory) seen."""
+    """All fitting candidates of `cells` (`_grid`), plus the leanest (lowest memory) seen, and
+    the leanest host need of those that fit the accelerator but not the host."""
     fitting: list[Candidate] = []
     leanest: Candidate | None = None
+    host_miss: _HostNeed | None = None
     zeros = [pins.zero_stage] if pins.zero_stage is not None else [0, 1, 2, 3]
     ac_pin = pins.activation_checkpointing
     acs = [ac_pin] if ac_pin is not None else [False, True]
@@ -229,9 +268,13 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
                             leanest = Candidate(layout, mem, StepTime(0, 0, 0, 0, 0, 0))
                         break
                     for lay, mem in fits:
+                        host = _host_need(shape, lay, mem, topo, o)
+                        if topo.host_memory_per_node and host.per_node > topo.host_memory_per_node:
+                            host_miss = _leaner(host_miss, host)
+                            continue
                         t = estimate_step_time(shape, lay, topo, mfu=o.mfu, **kw)
-                        fitting.append(Candidate(lay, mem, t))
-    return fitting, leanest
+                        fitting.append(Candidate(lay, mem, t, host_per_node=host.per_node))
+    return fitting, leanest, host_miss
 
 
 def _grad_sync_variants(layout: Layout, pins: LayoutPins, engine: str) -> list[Layout]:
@@ -262,16 +305,18 @@ def _search(shape, topo, pins, cells, o: _Opts, allow_offload=False):
 
     fitting: list[Candidate] = []
     leanest: Candidate | None = None
+    host_miss: _HostNeed | None = None
     fastest = float("inf")
     for bound, cell in sorted(((floor(c), c) for c in cells), key=lambda x: x[0]):
         if bound > fastest * (1 + THROUGHPUT_TIE):
             break
-        found, lean = _enumerate(shape, topo, pins, [cell], o, allow_offload)
+        found, lean, host = _enumerate(shape, topo, pins, [cell], o, allow_offload)
         fitting += found
         fastest = min([fastest] + [c.step_time.total_s for c in found])
         if lean and (leanest is None or lean.memory.total < leanest.memory.total):
             leanest = lean
-    return fitting, leanest
+        host_miss = _leaner(host_miss, host)
+    return fitting, leanest, host_miss
 
 
 def _rank_key(c: Candidate):
@@ -295,8 +340,10 @@ def plan(
     max_micro_batch: int = 16,
     top_k: int = 5,
     engine: str = "fsdp2",
+    async_save: bool = True,
 ) -> Plan:
-    """The fastest fitting layout and up to `top_k` structurally different alternatives."""
+    """The fastest fitting layout and up to `top_k` structurally different alternatives.
+    `async_save`: checkpoints are staged in host memory (`checkpoint.async_save`)."""
     pins = pins or LayoutPins()
     for key, value in (("trainer.global_batch", global_batch), ("data.seq_len", seq_len)):
         if value < 1:
@@ -306,18 +353,22 @@ def plan(
         # No tensor parallelism; pipelines only with ZeRO-1 (`engine_refusal`, in `_enumerate`).
         pins = dataclasses.replace(pins, tp=1)
     n, per_node = topology.num_accelerators, topology.accelerators_per_node
-    opts = _Opts(global_batch, seq_len, precision, margin, mfu, max_micro_batch, engine)
+    opts = _Opts(global_batch, seq_len, precision, margin, mfu, max_micro_batch, engine, async_save)
     cells = list(_grid(shape, topology, pins, global_batch))
     if not cells:
         raise PlanningError(
             f"no layout of up to {n} accelerators honours the pins and splits "
             f"trainer.global_batch={global_batch}"
         )
-    fitting, leanest = _search(shape, topology, pins, cells, opts)
+    fitting, leanest, host_miss = _search(shape, topology, pins, cells, opts)
     if not fitting and pins.offload_optimizer is None:
-        # Offload is the last resort: the model prices PCIe and CPU Adam but not host
-        # memory or CPU contention, so it is only offered when nothing fits without it.
-        fitting, leanest = _search(shape, topology, pins, cells, opts, allow_offload=True)
+        # Offload is the last resort: the model prices PCIe, CPU Adam and host memory but
+        # not CPU contention, so it is only offered when nothing fits without it.
+        fitting, leanest, offload_miss = _search(shape, topology, pins, cells, opts,
+                                                 allow_offload=True)  # fmt: skip
+        host_miss = _leaner(host_miss, offload_miss)
+    if not fitting and host_miss is not None:
+        raise PlanningError(_host_refusal(shape, topology, host_miss))
     if not fitting:
         need = leanest.memory.total / GB if leanest else float("nan")
         desc = leanest.layout.describe() if leanest else "none"
@@ -340,7 +391,7 @@ def plan(
     world = best.layout.dims.world_size
     if world < n:
         reason = f"uses {world} of {n} accelerators: more would not be faster; {reason}"
-    best = Candidate(best.layout, best.memory, best.step_time, reason)
+    best = dataclasses.replace(best, reason=reason)
     # Alternatives: the fastest of each other structure, not micro-batch variations of one.
     seen = {_structure(best)}
     alternatives = []
@@ -349,13 +400,24 @@ def plan(
             break
         if _structure(c) not in seen:
             seen.add(_structure(c))
-            alternatives.append(Candidate(c.layout, c.memory, c.step_time, alt_reason(c, best)))
+            alternatives.append(dataclasses.replace(c, reason=alt_reason(c, best)))
     dp, accum = best.layout.dims.dp, best.layout.grad_accum
     states = {
         name: round(states_gb(shape, dp, z, precision, engine, grad_accum=accum), 3)
         for name, z in (("ddp", 0), ("zero1", 1), ("zero2", 2), ("zero3", 3))
     }
     return Plan(best, alternatives, states, len(fitting), topology.memory_per_accelerator / GB)
+
+
+def _host_refusal(shape: ModelShape, topology: Topology, need: _HostNeed) -> str:
+    """One line: layouts fit the accelerators but none the nodes' host memory."""
+    desc = need.layout.describe() + (" +offload" if need.layout.offload_optimizer else "")
+    return (
+        f"nothing fits in host memory: {shape.num_params / 1e9:.1f}B params; the leanest layout "
+        f"({desc}) needs {need.per_node / GB:.1f} GB per node ({need.ranks} ranks x "
+        f"{need.rank.total / GB:.1f} GB: {need.rank.describe()}) but a node has "
+        f"{topology.host_memory_per_node / GB:.1f} GB (cluster.host_memory_gb / --host-mem-gb)"
+    )
 
 
 def _structure(c: Candidate) -> tuple:

@@ -61,7 +61,9 @@ def run_loop(
         result = engine.train_step([m["tokens"] for m in micro], step, [m["real"] for m in micro])
         step_time = time.perf_counter() - started
         consumed += spec.global_batch
-        record: dict = {"kind": "step", "step": step + 1, "consumed_samples": consumed}
+        # `finished_at`: the driver times steps by it (hang deadlines), free of its polling.
+        record: dict = {"kind": "step", "step": step + 1, "consumed_samples": consumed,
+                        "finished_at": time.time()}  # fmt: skip
         record.update(measure_memory())
         if spec.report_metrics:
             record.update(

@@ -51,6 +51,7 @@ class FakeRankGroup:
         self.formations: list[dict[str, int]] = []
         self.dropped = 0
         self.hung = False
+        self.setup_hangs = False  # the next `setup` never returns (its deadline passes)
         self._stop_requested = False
 
     @property
@@ -58,7 +59,8 @@ class FakeRankGroup:
         return len(self.slots)
 
     # --- what the coordinator calls ----------------------------------------------------------
-    def form(self, counts_by_node: dict[str, int], timeout_s: float) -> None:
+    def form(self, counts_by_node: dict[str, int], timeout_s: float,
+             start_timeout_s: float | None = None) -> None:  # fmt: skip
         self.collect_warm()
         kept = [s for s in self.slots + self.idle if s.state != "dead"]
         self.slots = []
@@ -75,6 +77,8 @@ class FakeRankGroup:
 
     def call(self, method: str, per_rank_args=None, timeout_s=None):
         if method == "setup":
+            if self.setup_hangs:
+                raise TimeoutError(f"Get timed out: some object(s) not ready after {timeout_s}s")
             spec = per_rank_args[0][0]
             self.step, self.end, self.every = (
                 spec.start_step,

@@ -192,13 +192,29 @@ def test_new_capacity_is_used_once_stable(start):
 
 
 def test_a_hang_replaces_the_whole_group(start):
-    coordinator, _, group = start(("a", "b"), "elastic.hang_timeout_s=0.3")
+    coordinator, _, group = start(("a", "b"), "elastic.hang_timeout_s=1",
+                                  "elastic.hang_step_multiple=1")  # fmt: skip
     advance_until(coordinator, Running)
     train_to(coordinator, 4)
     group.hung = True
     state = advance_until(coordinator, Restarting, max_iterations=20)
-    assert events(coordinator, "failure")[0]["health"] == "hung"
+    (failure,) = events(coordinator, "failure")
+    assert failure["health"] == "hung"
+    # A fake step per poll (0.1 s): the floor is the bound in force, and the event says so.
+    assert (failure["bound_s"], failure["bound_basis"]) == (1.0, "hang_timeout_s")
+    assert 1.0 < failure["since_step_s"]
     assert group.dropped == 4 and state.decision.nodes == ("a", "b")
+
+
+def test_a_formation_past_its_deadline_fails_the_run_naming_the_key(start):
+    coordinator, _, group = start(("a", "b"), "elastic.formation_timeout_s=5")
+    group.setup_hangs = True
+    assert isinstance(coordinator.advance(), Resizing)
+    state = coordinator.advance()
+    assert isinstance(state, Failed) and state.reason.startswith("elastic.formation_timeout_s: ")
+    (failure,) = events(coordinator, "failure")
+    assert failure["health"] == "formation_timeout"
+    assert (failure["bound_s"], failure["bound_basis"]) == (5.0, "formation")
 
 
 def test_the_same_step_failing_twice_fails_the_run(start):

@@ -56,6 +56,8 @@ class JobResult:
     staged_pinned: bool | None = None
     # The device type the engine's parameters lived on.
     param_device: str | None = None
+    # With an async save: the bytes of all its staging buffers (model and optimizer states).
+    staged_bytes: int | None = None
 
 
 def _free_port() -> int:
@@ -113,13 +115,16 @@ def _run_job(rank: int, job: Job) -> JobResult:
             masks = list(torch.split(torch.from_numpy(real), layout.micro_batch))
             assert len(micro) == layout.grad_accum, (len(micro), layout)
             losses.append(engine.train_step(micro, step, masks).loss)
-        staged_pinned = None
+        staged_pinned = staged_bytes = None
         if saving is not None:
             saving.result()
             # The model's shards all live on the compute device (the optimizer's step counts
             # stay on the host, and so do their buffers).
             buffers = _tensors(engine._stager._staged["model"])
             staged_pinned = bool(buffers) and all(b.is_pinned() for b in buffers)
+            staged_bytes = sum(
+                t.numel() * t.element_size() for t in _tensors(engine._stager._staged)
+            )
         module = engine.model if hasattr(engine, "model") else engine.engine.module  # DeepSpeed
         param_device = next(module.parameters()).device.type
         params = engine.full_state_dict()
@@ -129,7 +134,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
             dist.barrier()
             keys = _checkpoint_keys(job.checkpoint_dir)
         del engine, model
-        return JobResult(losses, params if rank == 0 else {}, keys, staged_pinned, param_device)
+        return JobResult(losses, params if rank == 0 else {}, keys, staged_pinned, param_device,
+                         staged_bytes)  # fmt: skip
     finally:
         dist.destroy_process_group()
 

@@ -1,0 +1,149 @@
+"""Host memory model, in bytes: what a rank holds in its node's RAM, and a checkpoint's size.
+
+The accelerator memory model (`memory.py`) prices what a rank holds on its accelerator; this
+one prices what it holds beside it, in host memory, where nothing else checks it:
+
+- offloaded states (`engine.offload_optimizer`): FSDP2's CPUOffloadPolicy keeps the rank's
+  parameter, gradient and optimizer shards on the host; DeepSpeed's ZeRO-Offload its fp32
+  master partition, Adam moments and fp32 gradient partition;
+- the staging buffers of async checkpointing (`checkpoint/staging.py`): one host copy of the
+  rank's shard of model and optimizer states, pinned on accelerators, kept for the run;
+- the accelerator's own memory where the device is host RAM (cpu, emulated);
+- the process itself: torch, Ray's worker, the data iterator (`RANK_PROCESS_HOST_BYTES`).
+
+A node holds its ranks' sum. Also `checkpoint_bytes`: one full checkpoint, for save and load
+deadlines and for `raytrain-dt doctor`'s disk check. Pure arithmetic, like `memory.py`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.topology.layout import Layout, Topology
+from raytrain_dt.topology.memory import (
+    GB,
+    estimate_memory,
+    model_state_bytes,
+    resident_bytes_per_param,
+    stage_params,
+)
+
+# An idle rank actor (a `RankWorker` that has imported torch and its lazy modules, waiting for
+# a layout): 0.42-0.48 GB RSS (0.28 GB USS) in two runs of `bench/idle_rank_rss.py` (torch 2.13
+# CPU, Ray 2.60, Python 3.11, on the 2-core CI machine); rounded up.
+IDLE_RANK_RSS_BYTES = 0.5e9
+# A CUDA process adds the CUDA runtime's and libraries' resident pages (cuBLAS, cuDNN, NCCL) to
+# that: about 1 GB is usual, but it could not be measured here (no GPU). Assumed.
+CUDA_HOST_OVERHEAD_BYTES = 1.0e9
+# What every rank process is priced at, whatever its device (conservative on CPU).
+RANK_PROCESS_HOST_BYTES = IDLE_RANK_RSS_BYTES + CUDA_HOST_OVERHEAD_BYTES
+# The engines that save asynchronously through the staging buffers (those with `save_async`:
+# FSDP2; DeepSpeed saves synchronously from its own buffers).
+ASYNC_SAVE_ENGINES = ("fsdp2",)
+
+
+@dataclass(frozen=True)
+class HostMemoryEstimate:
+    """Host bytes of one rank, by cause."""
+
+    offload: float
+    staging: float
+    device: float  # accelerator memory that is host RAM (cpu, emulated devices); 0 on GPUs
+    process: float
+
+    @property
+    def total(self) -> float:
+        return self.offload + self.staging + self.device + self.process
+
+    def describe(self) -> str:
+        parts = [("offload", self.offload), ("checkpoint staging", self.staging),
+                 ("device memory", self.device), ("process", self.process)]  # fmt: skip
+        return ", ".join(f"{name} {value / GB:.1f}" for name, value in parts if value)
+
+
+def checkpoint_bytes(
+    shape: ModelShape, *, engine: str = "fsdp2", precision: str = "bf16", zero_stage: int = 3
+) -> float:
+    """Bytes of one full checkpoint of `shape`: every parameter and its optimizer state as the
+    engine saves them (FSDP2: fp32 parameters and Adam moments, 12 B/param; DeepSpeed: the
+    module in the compute dtype plus fp32 master and moments). The RNG states and the
+    train-state record are noise beside them."""
+    params, _, optimizer = resident_bytes_per_param(engine, precision, zero_stage, shard=1)
+    return shape.num_params * (params + optimizer)
+
+
+def rank_checkpoint_bytes(
+    shape: ModelShape, layout: Layout, *, engine: str = "fsdp2", precision: str = "bf16"
+) -> float:
+    """The rank's shard of model and optimizer states (what its async save stages): its
+    pipeline stage, its TP slice, and its ZeRO/FSDP shard when the states are sharded."""
+    d = layout.dims
+    shard = d.dp_shard if layout.zero_stage >= 1 else 1
+    params, _, optimizer = resident_bytes_per_param(engine, precision, layout.zero_stage, shard)
+    return stage_params(shape, d.pp) / d.tp * (params + optimizer)
+
+
+def offloaded_bytes(
+    shape: ModelShape, layout: Layout, *, engine: str = "fsdp2", precision: str = "bf16"
+) -> float:
+    """Host bytes of the rank's offloaded states (0 without `offload_optimizer`)."""
+    if not layout.offload_optimizer:
+        return 0.0
+    d = layout.dims
+    params, grads, optimizer = model_state_bytes(shape, tp=d.tp, pp=d.pp, shard=d.dp_shard,
+                                                 zero_stage=layout.zero_stage,
+                                                 precision=precision, engine=engine)  # fmt: skip
+    if engine == "fsdp2":  # CPUOffloadPolicy: parameter, gradient and optimizer shards
+        return params + grads + optimizer
+    # ZeRO-Offload: fp32 master and Adam moments, and the fp32 gradient partition they step on.
+    return optimizer + stage_params(shape, d.pp) / d.tp * 4.0 / d.dp_shard
+
+
+def host_bytes_per_rank(
+    shape: ModelShape,
+    layout: Layout,
+    *,
+    engine: str = "fsdp2",
+    precision: str = "bf16",
+    async_save: bool = True,
+    device_bytes: float = 0.0,
+) -> HostMemoryEstimate:
+    """Host bytes one rank of `layout` holds. `device_bytes`: its accelerator memory when that
+    is host RAM (the accelerator estimate's total on cpu and emulated devices), else 0."""
+    staging = 0.0
+    if async_save and engine in ASYNC_SAVE_ENGINES:
+        staging = rank_checkpoint_bytes(shape, layout, engine=engine, precision=precision)
+    return HostMemoryEstimate(
+        offload=offloaded_bytes(shape, layout, engine=engine, precision=precision),
+        staging=staging,
+        device=device_bytes,
+        process=RANK_PROCESS_HOST_BYTES,
+    )
+
+
+def ranks_per_node(layout: Layout, topology: Topology) -> int:
+    """The most ranks of `layout` one node holds (nodes are filled in order)."""
+    return min(topology.accelerators_per_node, layout.dims.world_size)
+
+
+def host_bytes_per_node(
+    shape: ModelShape,
+    layout: Layout,
+    topology: Topology,
+    *,
+    seq_len: int,
+    engine: str = "fsdp2",
+    precision: str = "bf16",
+    async_save: bool = True,
+    margin: float = 0.10,
+) -> float:
+    """Host bytes the fullest node of `layout` on `topology` needs: its ranks' sum. Where the
+    accelerators' memory is host RAM (`Topology.device_memory_on_host`) it counts too."""
+    device = 0.0
+    if topology.device_memory_on_host:
+        device = estimate_memory(shape, layout, seq_len=seq_len, precision=precision,
+                                 margin=margin, engine=engine).total  # fmt: skip
+    rank = host_bytes_per_rank(shape, layout, engine=engine, precision=precision,
+                               async_save=async_save, device_bytes=device)  # fmt: skip
+    return ranks_per_node(layout, topology) * rank.total
