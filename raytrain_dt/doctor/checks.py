@@ -234,6 +234,38 @@ def _reuse_check(name: str, run) -> Check:
     )
 
 
+def check_host_memory(recipe: TrainConfig, resource: str) -> Check:
+    """The recipe planned on this cluster's nodes: the host memory its fullest node needs
+    (offloaded states, async-save staging, the rank processes) against the smallest node's."""
+    from raytrain_dt.control.cluster import alive_nodes, planning_topology
+    from raytrain_dt.control.run_setup import choose_layout
+    from raytrain_dt.errors import PlanningError
+    from raytrain_dt.models.spec import model_spec
+
+    nodes = alive_nodes(resource)
+    if not nodes:
+        return skipped("host_memory", f"no node with {resource}: nothing to plan on")
+    shape = model_spec(recipe).shape
+    world = min(recipe.cluster.num_ranks or 10**9, sum(n.accelerators for n in nodes))
+    topology = planning_topology(recipe.cluster, resource, nodes, world)
+    try:
+        best = choose_layout(recipe, shape, topology, resource == "GPU").best
+    except PlanningError as exc:
+        return failed("host_memory", f"the recipe does not fit this cluster: {exc}")
+    need, have = best.host_per_node, topology.host_memory_per_node
+    figures = {"need_bytes": need, "per_node_bytes": have, "layout": best.layout.describe()}
+    if not have:
+        return skipped(
+            "host_memory",
+            "Ray reports no memory for the nodes; set cluster.host_memory_gb to check",
+        )
+    return passed(
+        "host_memory",
+        f"{_gb(need)} per node for {best.layout.describe()} of {_gb(have)} on the smallest node",
+        **figures,
+    )
+
+
 def check_disk(checkpoint_dir: str, checkpoint_bytes: float, keep: int) -> Check:
     """Room for the checkpoints a run keeps, plus the one being written."""
     from raytrain_dt.checkpoint.storage import Location

@@ -112,7 +112,8 @@ def _run_checks(recipe: TrainConfig, requested: list[str] | None, work_dir: Path
             results += checks.check_training(
                 kind, _training_config(recipe, data, work_dir, ranks), ranks
             )
-    results += _resource_checks(recipe)
+        results.append(checks.check_host_memory(recipe, resource))
+    results.append(_disk_check(recipe))
     return results
 
 
@@ -169,15 +170,14 @@ def _prepare_corpus_everywhere(path: Path, probes: checks.Probes) -> None:
     )
 
 
-def _resource_checks(recipe: TrainConfig) -> list[Check]:
-    """Disk for the recipe's checkpoints (its model's size as the engine saves it)."""
+def _disk_check(recipe: TrainConfig) -> Check:
+    """Disk for the recipe's checkpoints (its model's size as its engine saves it)."""
     from raytrain_dt.models.spec import model_spec
-    from raytrain_dt.topology.memory import checkpoint_bytes
+    from raytrain_dt.topology.host_memory import checkpoint_bytes
 
-    shape = model_spec(recipe).shape
-    size = checkpoint_bytes(shape, recipe.engine.name)
+    size = checkpoint_bytes(model_spec(recipe).shape, engine=recipe.engine.name)
     root = recipe.checkpoint.dir or str(Path(recipe.run.dir) / "checkpoints")
-    return [checks.check_disk(root, size, recipe.checkpoint.keep_last)]
+    return checks.check_disk(root, size, recipe.checkpoint.keep_last)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -101,17 +101,6 @@ def resident_bytes_per_param(
     return p_bytes, 8 / shard, master_and_adam
 
 
-def checkpoint_bytes(shape: ModelShape, engine: str = "fsdp2", precision: str = "bf16") -> float:
-    """Bytes of one checkpoint of the whole model, as the engine writes it: FSDP2 saves its
-    fp32 parameters and Adam's two moments (12 B/param); DeepSpeed saves the module in the
-    compute dtype beside the fp32 master copy and both moments."""
-    _check_engine(engine)
-    _check_precision(precision)
-    module = 4 if engine == "fsdp2" else STATE_BYTES[precision][0]
-    master = 0 if engine == "fsdp2" else 4
-    return float(shape.num_params) * (module + master + STATE_BYTES["fp32"][2])
-
-
 def model_state_bytes(
     shape: ModelShape,
     *,

@@ -19,7 +19,7 @@ from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.cli import main
 from raytrain_dt.config.load import from_yaml
 from raytrain_dt.models.spec import model_spec
-from raytrain_dt.topology.memory import checkpoint_bytes
+from raytrain_dt.topology.host_memory import checkpoint_bytes
 
 
 def _doctor(capsys, *argv: str) -> tuple[int, dict]:
@@ -38,6 +38,7 @@ def test_doctor_on_the_emulated_accelerator(ray_cluster, capsys, tmp_path):
         "train_step[fsdp2, emulated]",
         "reuse_after_killed_rank[emulated]",
         "train_step[deepspeed, emulated]",
+        "host_memory",
         "disk",
     ]
     assert {c["status"] for c in checks.values()} == {"PASS"}, checks
@@ -61,12 +62,17 @@ def test_doctor_on_the_emulated_accelerator(ray_cluster, capsys, tmp_path):
         for m in metadata.values()
         if hasattr(m, "size")
     )
-    assert saved == pytest.approx(checkpoint_bytes(model_spec(cfg).shape, "fsdp2"), rel=1e-3)
+    assert saved == pytest.approx(checkpoint_bytes(model_spec(cfg).shape, engine="fsdp2"), rel=1e-3)
 
 
 def test_doctor_fails_cuda_on_a_cluster_without_gpus(ray_cluster, capsys, tmp_path):
-    code, checks = _doctor(capsys, "--device", "cuda", "--work-dir", str(tmp_path))
+    code, checks = _doctor(
+        capsys, "--device", "cuda", "--work-dir", str(tmp_path), "cluster.host_memory_gb=0.5"
+    )
     assert code == 1
+    # Half a GB per node cannot hold even one rank process: the planner's one line, with the key.
+    assert checks["host_memory"]["status"] == "FAIL"
+    assert "cluster.host_memory_gb" in checks["host_memory"]["detail"]
     assert checks["accelerators[cuda]"]["status"] == "FAIL"
     assert checks["all_reduce[cuda]"]["status"] == "FAIL"
     assert "torch sees no CUDA device" in checks["all_reduce[cuda]"]["detail"]

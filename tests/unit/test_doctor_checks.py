@@ -10,7 +10,7 @@ from raytrain_dt.doctor.checks import check_disk
 from raytrain_dt.doctor.cli import devices_to_check
 from raytrain_dt.doctor.result import FAIL, PASS, SKIP, Check, format_json, format_table
 from raytrain_dt.models.presets import resolve_shape
-from raytrain_dt.topology.memory import checkpoint_bytes
+from raytrain_dt.topology.host_memory import checkpoint_bytes
 
 
 def test_a_cpu_cluster_is_checked_on_cpu_and_emulated_a_gpu_cluster_on_cuda():
@@ -37,9 +37,9 @@ def test_remote_checkpoints_need_no_local_disk():
 def test_checkpoint_bytes_follow_what_each_engine_saves():
     shape = resolve_shape("llama-7b")
     # FSDP2: fp32 parameters and Adam's two moments.
-    assert checkpoint_bytes(shape, "fsdp2") == shape.num_params * 12
+    assert checkpoint_bytes(shape, engine="fsdp2") == shape.num_params * 12
     # DeepSpeed bf16: the bf16 module, the fp32 master copy and both moments.
-    assert checkpoint_bytes(shape, "deepspeed", "bf16") == shape.num_params * 14
+    assert checkpoint_bytes(shape, engine="deepspeed", precision="bf16") == shape.num_params * 14
 
 
 def test_results_print_one_line_each_and_valid_json():
