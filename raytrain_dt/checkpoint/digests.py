@@ -14,10 +14,11 @@ read at every commit and every (re)formation. So the bytes are hashed only on th
   checks them against a listing of the step directory: names and sizes, metadata only.
 - Loading: before any rank loads a checkpoint, the ranks verify it in parallel. The coordinator
   splits the manifest into one disjoint share per rank, balanced by bytes
-  (`verification_shares`); each rank hashes its share (`verify_files`, `RankWorker.
-  verify_checkpoint`) and the coordinator gathers every answer. Any problem, and no rank loads:
-  the coordinator falls back to the previous committed checkpoint with a warning naming what
-  was wrong. The coordinator itself only checks the commit record and the listed sizes.
+  (`verification_shares`); each rank hashes its share (`verify_files`, called by
+  `RankWorker.verify_checkpoint`) and the coordinator gathers every answer. Any problem, and no
+  rank loads: the coordinator falls back to the previous committed checkpoint with a warning
+  naming what was wrong. The coordinator itself only checks the commit record and the listed
+  sizes.
 
 Why disjoint shares rather than "each rank verifies the files its load plan reads": every file
 is read once in the whole cluster (a plan-based check re-reads the files many ranks touch:
