@@ -1,5 +1,6 @@
 """Checks of a run's report, metrics and events against each other, shared by the tests that
-produce a run directory (the elastic runs, the status test).
+produce a run directory (the elastic runs, the status test), and of a commit record against the
+files it describes.
 
 Every number is recomputed here from the raw records by another route than the report's
 (the coordinator's own lost-step counts, the formation timings in the resize events, the
@@ -8,8 +9,13 @@ world sizes of the metric lines), so a wrong definition or a wrong sum fails.
 
 from __future__ import annotations
 
+import builtins
+import contextlib
+import io
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -20,6 +26,52 @@ from raytrain_dt.observe.mfu import CPU_PEAK_FLOPS
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Clock tolerance between the driver's wall clock and durations measured with perf_counter.
 TOL_S = 0.05
+
+
+def check_manifest(step_uri: str) -> dict:
+    """The commit record lists exactly the files of the step directory (every rank reported
+    all it wrote), each with the size and SHA-256 stored; returns the record."""
+    from raytrain_dt.checkpoint.digests import digest_tree
+    from raytrain_dt.checkpoint.storage import Location
+
+    record = Location.parse(step_uri).child("commit.json").read_json()
+    stored = digest_tree(step_uri)
+    del stored["commit.json"]
+    assert record["files"] == stored
+    return record
+
+
+@contextlib.contextmanager
+def file_reads_below(root_uri: str) -> Iterator[list[str]]:
+    """The files below `root_uri` this process opens for reading meanwhile, through fsspec
+    (what `Location` uses, local and S3 alike) or `open()`, relative to the root."""
+    import fsspec
+
+    from raytrain_dt.checkpoint.storage import Location
+
+    root = Location.parse(root_uri).path.rstrip("/") + "/"
+    reads: list[str] = []
+    fsspec_open, plain_open = fsspec.AbstractFileSystem.open, builtins.open
+
+    def note(path, mode) -> None:
+        path = str(path).split("://", 1)[-1]
+        if "r" in str(mode) and path.startswith(root):
+            reads.append(path.removeprefix(root))
+
+    def spy_fsspec(self, path, mode="rb", *args, **kwargs):
+        note(path, mode)
+        return fsspec_open(self, path, mode, *args, **kwargs)
+
+    def spy_open(file, mode="r", *args, **kwargs):
+        note(file, mode)
+        return plain_open(file, mode, *args, **kwargs)
+
+    with (
+        mock.patch.object(fsspec.AbstractFileSystem, "open", spy_fsspec),
+        mock.patch.object(builtins, "open", spy_open),
+        mock.patch.object(io, "open", spy_open),
+    ):
+        yield reads
 
 
 def check_step_metrics(cfg, run_dir: str | Path) -> list[dict]:

@@ -7,6 +7,7 @@ import argparse
 import math
 import os
 
+from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.checkpoint.store import COMMIT_FILE, CheckpointRef, CheckpointStore
@@ -37,11 +38,15 @@ def resolve(path: str) -> tuple[CheckpointStore, CheckpointRef]:
     raise CheckpointError(f"{path}: holds no checkpoint")
 
 
-def _state(store: CheckpointStore, ref: CheckpointRef) -> str:
+def _state(store: CheckpointStore, ref: CheckpointRef, checksums: bool = False) -> str:
+    """Metadata only (commit record, names, sizes) unless `checksums`: then every file is read
+    here and hashed, as the ranks do before they load."""
     problems = store.problems(ref)
-    if not problems:
-        return "committed, intact"
-    return "; ".join(problems)
+    if not problems and checksums:
+        problems = verify_files(ref.uri, ref.record["files"])
+    if problems:
+        return "; ".join(problems)
+    return "committed, intact" if checksums else "committed, files present at recorded sizes"
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -85,7 +90,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"rng states: {len(rng)} ranks   versions: "
           + ", ".join(f"{k} {v}" for k, v in versions.items() if v))  # fmt: skip
     print(f"files: {len(files)}   bytes: {sum(f['size'] for f in files.values())}")
-    print(f"state: {_state(store, ref)}")
+    print(f"state: {_state(store, ref, checksums=args.verify)}")
     return 0
 
 
@@ -124,6 +129,8 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("inspect", help="step, layout, engine, sizes, tensors, integrity")
     p.add_argument("path")
+    p.add_argument("--verify", action="store_true",
+                   help="read every file and check its SHA-256 against the commit record")  # fmt: skip
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("consolidate", help="export to Hugging Face safetensors + config.json")
     p.add_argument("path", help="a run directory or a checkpoint directory")

@@ -10,6 +10,8 @@ store, so loading it at another world size reuses the engines' own reshard paths
 FSDP2, the universal conversion for DeepSpeed).
 
 The whole model and optimizer state is held in memory once: conversion is an offline step.
+This process is the one rank of both sides: it verifies the source's checksums before reading
+it and hashes what it writes for the destination's commit record, as ranks do.
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ from pathlib import Path
 
 import torch
 
+from raytrain_dt.checkpoint.digests import FileDigests, verify_files
 from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location, dcp_reader, dcp_writer
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.errors import CheckpointError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.parallel_dims import ParallelDims
@@ -108,8 +112,10 @@ def read_fsdp2(uri: str) -> tuple[FullState, float]:
     return state, steps.pop() if steps else 0.0
 
 
-def write_fsdp2(uri: str, state: FullState, step: float, shape: ModelShape, cfg: TrainConfig):
-    """A DCP checkpoint with the keys FSDP2Engine saves (plain tensors: DCP reshards them)."""
+def write_fsdp2(uri: str, state: FullState, step: float, shape: ModelShape, cfg: TrainConfig,
+                digests: FileDigests | None = None) -> None:  # fmt: skip
+    """A DCP checkpoint with the keys FSDP2Engine saves (plain tensors: DCP reshards them);
+    `digests` records the files written."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
@@ -127,7 +133,7 @@ def write_fsdp2(uri: str, state: FullState, step: float, shape: ModelShape, cfg:
                 **{f: state[name][f].clone() for f in ADAM_FIELDS},
             }
     model_sd, optim_sd = get_state_dict(model, optimizer, options=STATE_DICT_OPTIONS)
-    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp_writer(uri))
+    dcp.save({"model": model_sd, "optim": optim_sd}, storage_writer=dcp_writer(uri, digests))
 
 
 # --- DeepSpeed -----------------------------------------------------------------------------------
@@ -170,8 +176,10 @@ def read_deepspeed(uri: str, shape: ModelShape, cfg: TrainConfig, layout: Layout
 
 
 def write_deepspeed(uri: str, state: FullState, step: float, shape: ModelShape,
-                    cfg: TrainConfig, layout: Layout) -> None:  # fmt: skip
-    """DeepSpeed's own checkpoint (`<uri>/ds`) of a 1-rank engine holding `state`."""
+                    cfg: TrainConfig, layout: Layout,
+                    digests: FileDigests | None = None) -> None:  # fmt: skip
+    """DeepSpeed's own checkpoint (`<uri>/ds`) of a 1-rank engine holding `state`; `digests`
+    records the files written."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
 
     engine = _deepspeed_engine(shape, cfg, layout)
@@ -199,7 +207,7 @@ def write_deepspeed(uri: str, state: FullState, step: float, shape: ModelShape,
         if "step" in group_state:
             # DeepSpeed's flat groups each hold one step; every parameter shares ours.
             group_state["step"] = torch.tensor(step, dtype=torch.float32)
-    engine.save(uri)
+    engine.save(uri, digests)
 
 
 # --- the command -----------------------------------------------------------------------------------
@@ -218,6 +226,10 @@ def convert(src: CheckpointRef, dst_root: str, to: str, zero_stage: int | None =
     target = Location.parse(store.step_uri(src.step))
     if target.child("commit.json").exists():
         raise FileExistsError(f"{target.uri}: already holds a committed checkpoint")
+    damage = verify_files(src.uri, src.record["files"])
+    if damage:
+        raise CheckpointError(f"{src.uri}: damaged, not converted: " + "; ".join(damage))
+    written = FileDigests()
     with single_process_group():
         if source_engine == "fsdp2":
             state, step = read_fsdp2(src.uri)
@@ -228,16 +240,16 @@ def convert(src: CheckpointRef, dst_root: str, to: str, zero_stage: int | None =
         target.makedirs()
         new_layout = one_rank_layout(saved_layout, stage)
         if to == "fsdp2":
-            write_fsdp2(target.uri, state, step, shape, cfg)
+            write_fsdp2(target.uri, state, step, shape, cfg, written)
         else:
-            write_deepspeed(target.uri, state, step, shape, cfg, new_layout)
-    _copy_rng(Location.parse(src.uri), target)
+            write_deepspeed(target.uri, state, step, shape, cfg, new_layout, written)
+    _copy_rng(Location.parse(src.uri), target, written)
     new_state = dict(train_state, engine=to, layout=new_layout.as_dict(),
                      world_size=new_layout.dims.world_size, converted_from=src.uri)  # fmt: skip
-    return store.commit(src.step, new_state)
+    return store.commit(src.step, new_state, written.manifest())
 
 
-def _copy_rng(src: Location, dst: Location) -> None:
+def _copy_rng(src: Location, dst: Location, written: FileDigests) -> None:
     """Per-rank RNG states are engine-free; ranks without one keep their seeded state."""
     rng = src.child(RNG_DIR)
     for name in rng.files():
@@ -247,6 +259,7 @@ def _copy_rng(src: Location, dst: Location) -> None:
         out.fs.makedirs(out.path.rsplit("/", 1)[0], exist_ok=True)
         with out.fs.open(out.path, "wb") as f:
             f.write(data)
+        written.add_bytes(f"{RNG_DIR}/{name}", data)
 
 
 def run_config(src: CheckpointRef, config_path: str | None) -> TrainConfig:

@@ -2,12 +2,12 @@
 
 Everything the checkpoint code reads or writes goes through here, so a run directory on S3
 uses the same commit, verify and retention code as one on local disk. DCP gets a matching
-writer/reader: the plain filesystem one for local paths (fastest), fsspec's otherwise.
+writer/reader: the plain filesystem one for local paths (fastest), fsspec's otherwise; the
+writer can hash what it writes (`digests.py`).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import posixpath
 from dataclasses import dataclass
@@ -73,13 +73,6 @@ class Location:
             if info.get("type") == "file"
         }
 
-    def sha256(self, relative: str) -> str:
-        digest = hashlib.sha256()
-        with self.fs.open(posixpath.join(self.path, relative), "rb") as f:
-            while chunk := f.read(8 << 20):
-                digest.update(chunk)
-        return digest.hexdigest()
-
     def remove(self) -> None:
         if self.fs.exists(self.path):
             self.fs.rm(self.path, recursive=True)
@@ -88,12 +81,19 @@ class Location:
         self.fs.makedirs(self.path, exist_ok=True)
 
 
-def dcp_writer(uri: str):
+def dcp_writer(uri: str, digests=None):
+    """DCP's writer for `uri`; with `digests` (a `digests.FileDigests`), every file it writes
+    is hashed as it is written and recorded there."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+    from raytrain_dt.checkpoint.digests import DigestingFileSystem
+
     loc = Location.parse(uri)
-    return FileSystemWriter(loc.path) if loc.is_local else FsspecWriter(uri)
+    writer = FileSystemWriter(loc.path) if loc.is_local else FsspecWriter(uri)
+    if digests is not None:
+        writer.fs = DigestingFileSystem(writer, digests)
+    return writer
 
 
 def dcp_reader(uri: str):

@@ -1,11 +1,14 @@
-"""The checkpoint store of one run: naming, atomic commit, verification, fallback, retention.
+"""The checkpoint store of one run: naming, atomic commit, damage checks, fallback, retention.
 
 Ranks write their shards into `<root>/step_<N>/`. A checkpoint exists only once the
 coordinator has written `<root>/step_<N>/commit.json` after every rank reported its shards
 written: the record holds the train state and a manifest of every file with its size and
-SHA-256. Loading verifies the manifest; a damaged or uncommitted checkpoint is never loaded,
-and resume falls back to the previous committed one with a warning naming what was wrong.
-No torch here: the coordinator and the CLI use it.
+SHA-256, merged from the ranks' reports (each rank hashed what it wrote, `digests.py`). Nothing
+here reads a checkpoint byte: the commit checks the reports against a listing (names and
+sizes), and so does `latest_valid`; the ranks verify the checksums before a load and the
+coordinator marks what they found (`mark_damaged`). A damaged or uncommitted checkpoint is
+never loaded, and resume falls back to the previous committed one with a warning naming what
+was wrong. No torch here: the coordinator and the CLI use it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import re
 from dataclasses import dataclass
 
 from raytrain_dt.checkpoint.storage import Location
+from raytrain_dt.errors import CheckpointError
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +49,8 @@ class CheckpointRef:
 class CheckpointStore:
     def __init__(self, root_uri: str):
         self.root = Location.parse(root_uri)
+        # Steps the ranks found damaged (what they found), skipped until committed anew.
+        self._damaged: dict[int, list[str]] = {}
 
     def step_uri(self, step: int) -> str:
         return self.root.child(f"step_{step}").uri
@@ -70,42 +76,55 @@ class CheckpointStore:
         return [r for r in self.list() if r.committed]
 
     # --- commit ------------------------------------------------------------------------------
-    def commit(self, step: int, train_state: dict) -> CheckpointRef:
-        """Record the files now under step_<N> as checkpoint N. Call only after every rank
-        reported its shards written."""
+    def commit(self, step: int, train_state: dict, files: dict[str, dict]) -> CheckpointRef:
+        """Record `files` ({name: {size, sha256}}, every rank's reports merged) as checkpoint
+        N. Call only after every rank reported its shards written. Reads no file: a listing
+        confirms each reported file is there with its reported size (CheckpointError if not)."""
         loc = self.root.child(f"step_{step}")
-        sizes = loc.files()
-        sizes.pop(COMMIT_FILE, None)
-        if not sizes:
-            raise FileNotFoundError(f"{loc.uri}: no files to commit")
-        manifest = {
-            name: {"size": size, "sha256": loc.sha256(name)} for name, size in sorted(sizes.items())
-        }
-        record = {"step": step, "train_state": train_state, "files": manifest}
+        if not files:
+            raise CheckpointError(f"{loc.uri}: no rank reported a file to commit")
+        listed = loc.files()
+        found = self._listing_problems(loc.uri, files, listed)
+        if found:
+            raise CheckpointError(f"{loc.uri}: not as the ranks reported: " + "; ".join(found))
+        unreported = sorted(set(listed) - set(files) - {COMMIT_FILE})
+        if unreported:  # leftovers of an earlier, failed save of this step: never loaded
+            log.warning("%s: %d files no rank reported writing are left out of the manifest: %s",
+                        loc.uri, len(unreported), ", ".join(unreported[:5]))  # fmt: skip
+        record = {"step": step, "train_state": train_state, "files": dict(sorted(files.items()))}
         loc.child(COMMIT_FILE).write_json_atomic(record)
+        self._damaged.pop(step, None)
         return CheckpointRef(loc.uri, step, True, record)
 
-    # --- verification ------------------------------------------------------------------------
-    def problems(self, ref: CheckpointRef, checksums: bool = True) -> list[str]:
-        """What is wrong with a checkpoint; empty when it is committed and intact."""
+    # --- damage --------------------------------------------------------------------------------
+    def problems(self, ref: CheckpointRef) -> list[str]:
+        """What is wrong with a checkpoint as far as metadata tells (commit record, listed
+        names and sizes) plus what the ranks found; empty when nothing is known to be wrong.
+        Checksums are the ranks' to verify (`digests.verify_files`)."""
         if not ref.committed:
             return [f"{ref.uri}: not committed (no {COMMIT_FILE})"]
-        loc = Location.parse(ref.uri)
-        present = loc.files()
+        if ref.step in self._damaged:
+            return self._damaged[ref.step]
+        return self._listing_problems(ref.uri, ref.record["files"], Location.parse(ref.uri).files())
+
+    @staticmethod
+    def _listing_problems(uri: str, files: dict[str, dict], listed: dict[str, int]) -> list[str]:
         found = []
-        for name, expected in ref.record["files"].items():
-            if name not in present:
-                found.append(f"{ref.uri}/{name}: missing")
-            elif present[name] != expected["size"]:
-                found.append(
-                    f"{ref.uri}/{name}: size {present[name]} != {expected['size']} recorded"
-                )
-            elif checksums and loc.sha256(name) != expected["sha256"]:
-                found.append(f"{ref.uri}/{name}: checksum mismatch")
+        for name, expected in files.items():
+            if name not in listed:
+                found.append(f"{uri}/{name}: missing")
+            elif listed[name] != expected["size"]:
+                found.append(f"{uri}/{name}: size {listed[name]} != {expected['size']} recorded")
         return found
 
+    def mark_damaged(self, ref: CheckpointRef, problems: list[str]) -> None:
+        """The ranks found `ref` damaged: never offer it again (until step N is committed anew)."""
+        self._damaged[ref.step] = list(problems)
+        log.warning("checkpoint step %d is damaged: %s", ref.step, "; ".join(problems))
+
     def latest_valid(self) -> CheckpointRef | None:
-        """The newest committed, intact checkpoint; warns about each newer one it skips."""
+        """The newest committed checkpoint not known to be damaged; warns about each newer one
+        it skips."""
         for ref in reversed(self.list()):
             problems = self.problems(ref)
             if not problems:
@@ -134,3 +153,20 @@ class CheckpointStore:
         for ref in doomed:
             Location.parse(ref.uri).remove()
         return [r.uri for r in doomed]
+
+
+def merge_manifests(per_rank: dict[int, dict[str, dict]]) -> dict[str, dict]:
+    """One manifest from every rank's written files ({rank: {name: {size, sha256}}}). A file
+    two ranks report must have the same contents in both reports (CheckpointError if not)."""
+    merged: dict[str, dict] = {}
+    reported_by: dict[str, int] = {}
+    for rank, files in sorted(per_rank.items()):
+        for name, entry in files.items():
+            if name in merged and merged[name] != entry:
+                raise CheckpointError(
+                    f"{name}: ranks {reported_by[name]} and {rank} report different contents "
+                    f"({merged[name]} vs {entry})"
+                )
+            merged.setdefault(name, entry)
+            reported_by.setdefault(name, rank)
+    return merged

@@ -1,5 +1,9 @@
 """Driver-side checkpoint bookkeeping: collect the ranks' save reports, commit a checkpoint
 once every rank has written its shards, record stalls and failures, apply retention.
+
+Each `saved` report carries the files that rank wrote with their sizes and SHA-256s (hashed as
+they were written); the commit's manifest is their union, so committing reads no checkpoint
+byte however large the checkpoint is.
 """
 
 from __future__ import annotations
@@ -8,7 +12,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from raytrain_dt.checkpoint.store import CheckpointStore
+from raytrain_dt.checkpoint.store import CheckpointStore, merge_manifests
+from raytrain_dt.errors import CheckpointError
 from raytrain_dt.observe.metrics import RunRecorder
 
 log = logging.getLogger(__name__)
@@ -25,7 +30,7 @@ class CheckpointTracker:
         self.recorder = recorder
         self.keep_last = keep_last
         self.keep_every = keep_every
-        self._saved: dict[int, set[int]] = {}
+        self._saved: dict[int, dict[int, dict]] = {}  # step -> rank -> the files it wrote
         self._train_state: dict[int, dict] = {}
         self._stall: dict[int, float] = {}
         self._failed: set[int] = set()
@@ -45,19 +50,27 @@ class CheckpointTracker:
             # The slowest rank's staging is what training waited for.
             self._stall[step] = max(self._stall.get(step, 0.0), report["stall_s"])
         elif kind == "save_failed":
-            if step not in self._failed:
-                self._failed.add(step)
-                log.warning("checkpoint step %d failed: %s (previous latest stays latest)",
-                            step, report["error"])  # fmt: skip
-                self.recorder.event("checkpoint_failed", step=step, error=report["error"])
-            self._forget(step)
+            self._fail(step, report["error"])
         elif kind == "saved" and step not in self._failed:
-            self._saved.setdefault(step, set()).add(report["rank"])
+            self._saved.setdefault(step, {})[report["rank"]] = report["files"]
             if len(self._saved[step]) == self.world_size and step in self._train_state:
                 self._commit(step)
 
+    def _fail(self, step: int, error: str) -> None:
+        if step not in self._failed:
+            self._failed.add(step)
+            log.warning("checkpoint step %d failed: %s (previous latest stays latest)",
+                        step, error)  # fmt: skip
+            self.recorder.event("checkpoint_failed", step=step, error=error)
+        self._forget(step)
+
     def _commit(self, step: int) -> None:
-        ref = self.store.commit(step, self._train_state[step])
+        try:
+            files = merge_manifests(self._saved[step])
+            ref = self.store.commit(step, self._train_state[step], files)
+        except CheckpointError as exc:  # the files are not what the ranks reported
+            self._fail(step, str(exc))
+            return
         self.last_committed = step
         nbytes = sum(f["size"] for f in ref.record["files"].values())
         write_s = time.time() - self._started.get(step, time.time())

@@ -13,8 +13,11 @@ import json
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 
+from raytrain_dt.checkpoint.digests import verification_shares
+from raytrain_dt.checkpoint.store import CheckpointRef
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.deadlines import Bound
@@ -48,11 +51,6 @@ class GroupRecovery:
         old = self.layout or self.previous_layout
         if self.group.slots and not self.group_left:
             self._leave_layout()
-        resume, resume_step = self._resume_point()
-        self.recorder.rewind(resume_step)
-        # Rank faults before the resume point are past; node actions fire when the driver
-        # reaches them (they may have waited for an arrival to be in use).
-        self.chaos.mark_rank_faults_fired(resume_step)
         nodes = {n.node_id: n.accelerators for n in self._observe("ok").nodes}
         try:
             counts = counts_by_node(decision.layout.dims.world_size, decision.layout.dims.tp,
@@ -62,19 +60,30 @@ class GroupRecovery:
             return self._decide(self._observe("failed" if isinstance(state, Restarting) else "ok"))
         planned_bytes = planned_checkpoint_bytes(self.cfg, self.shape, decision.layout,
                                                  self.resource == "GPU")  # fmt: skip
-        bound = self.deadlines.formation_bound(decision.layout.dims.world_size, resume is not None,
+        will_load = self._resume_point()[0] is not None  # metadata only: verified once formed
+        bound = self.deadlines.formation_bound(decision.layout.dims.world_size, will_load,
                                                planned_bytes)  # fmt: skip
         forming = time.perf_counter()  # the deadline's clock: after the old layout has left
+
+        def remaining_s() -> float:
+            return max(0.0, bound.seconds - (time.perf_counter() - forming))
+
         try:
             self.group.form(
                 counts, self.cfg.cluster.placement_timeout_s, start_timeout_s=bound.seconds
             )
             formed = time.perf_counter()
+            resume, resume_step = self._verified_resume_point(remaining_s)
+            verified = time.perf_counter()
+            self.recovery.verified(verified - formed)
+            self.recorder.rewind(resume_step)
+            # Rank faults before the resume point are past; node actions fire when the driver
+            # reaches them (they may have waited for an arrival to be in use).
+            self.chaos.mark_rank_faults_fired(resume_step)
             cfg = replace(self.cfg, chaos=self.chaos.remaining())
             specs = rank_specs(cfg, self.shape, decision.layout, self.dataset, self.group.master_endpoint(),
                                self.checkpoint_root, resume, self.model_spec)  # fmt: skip
-            setup = self.group.call("setup", [(s,) for s in specs],
-                                    timeout_s=max(0.0, bound.seconds - (formed - forming)))  # fmt: skip
+            setup = self.group.call("setup", [(s,) for s in specs], timeout_s=remaining_s())
         except TimeoutError as exc:
             return self._formation_timed_out(decision, bound, exc)
         self.layout, self.layout_nodes = decision.layout, tuple(sorted(counts))
@@ -93,7 +102,7 @@ class GroupRecovery:
                               world_size=decision.layout.dims.world_size,
                               checkpoint_bytes=planned_bytes)  # fmt: skip
         self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
-                             "setup_s": time.perf_counter() - formed, "ranks": setup})  # fmt: skip
+                             "setup_s": time.perf_counter() - verified, "ranks": setup})  # fmt: skip
         (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
         if self._last_plan is not None:
             (self.run_dir / "plan.json").write_text(json.dumps(self._last_plan.to_json(), indent=2))
@@ -102,7 +111,7 @@ class GroupRecovery:
             old_layout=old.as_dict() if old else None, new_layout=decision.layout.as_dict(),
             resumed_from=resume.uri if resume else None, resumed_step=resume_step,
             lost_steps=max(0, self._failure_step - resume_step) if isinstance(state, Restarting) else 0,
-            form_s=formed - started, setup_s=time.perf_counter() - formed,
+            form_s=formed - started, setup_s=time.perf_counter() - verified,
             node_ids=[s.node_id for s in self.group.slots], rank_setup=setup,
             pids=[s.pid for s in self.group.slots],
             **self.recovery.formed(formed - started, setup),
@@ -122,6 +131,26 @@ class GroupRecovery:
                             **bound.fields())  # fmt: skip
         log.error("%s", reason)
         return Failed(reason)
+
+    def _verified_resume_point(
+        self, remaining_s: Callable[[], float]
+    ) -> tuple[CheckpointRef | None, int]:
+        """The checkpoint to resume from, its files verified by the formed group's ranks before
+        any loads it: each rank hashes a disjoint share (in parallel; the driver reads no
+        checkpoint byte). A damaged one is marked so and the previous committed one tried."""
+        while True:
+            ref, step = self._resume_point()
+            if ref is None:
+                return ref, step
+            shares = verification_shares(ref.record["files"], self.group.world_size)
+            answers = self.group.call("verify_checkpoint", [(ref.uri, share) for share in shares],
+                                      timeout_s=remaining_s())  # fmt: skip
+            problems = [line for answer in answers for line in answer]
+            if not problems:
+                return ref, step
+            self.store.mark_damaged(ref, problems)
+            self.recorder.event("checkpoint_damaged", step=ref.step, path=ref.uri,
+                                problems=problems)  # fmt: skip
 
     def _leave_layout(self, grace_s: float = 2.0) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports

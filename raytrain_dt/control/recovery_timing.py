@@ -1,7 +1,8 @@
 """Where the seconds of one (re)formation go, from the event that caused it to the first step
 trained at the new layout: detection, re-plan, just-in-time checkpoint (drain), process-group
-re-form, checkpoint load, warm-up, data start, first step. The coordinator reports them in the
-`resize` event of `events.jsonl`; `bench/bench_elastic.py` reads them from there.
+re-form, checkpoint verification (on the ranks) and load, warm-up, data start, first step.
+The coordinator reports them in the `resize` event of `events.jsonl`; `bench/bench_elastic.py`
+reads them from there.
 
 The clock starts at the cause: the last poll that found every rank healthy (a failure), the
 notice (a preemption), or the moment new nodes appeared (growth, including the
@@ -32,6 +33,10 @@ class RecoveryTimer:
 
     def drained(self, seconds: float) -> None:
         self.fields["drain_s"] = seconds
+
+    def verified(self, seconds: float) -> None:
+        """The ranks' check of the resume checkpoint's files (`GroupRecovery._form`)."""
+        self.fields["checkpoint_verify_s"] = seconds
 
     def formed(self, group_s: float, rank_setup: list[dict]) -> dict[str, float]:
         """`group_s`: teardown, placement and actor creation on the driver; `rank_setup`: each

@@ -28,8 +28,10 @@ class Engine(Protocol):
         """One optimizer step over `micro_batches`; `real` marks each one's real rows, which
         a padded layout needs (`engines.micro_loss`)."""
 
-    def save(self, checkpoint_dir: str) -> None:
-        """Write model and optimizer shards (collective: every rank calls it)."""
+    def save(self, checkpoint_dir: str, digests=None) -> None:
+        """Write model and optimizer shards (collective: every rank calls it). `digests` (a
+        `checkpoint.digests.FileDigests`) records every file this rank wrote, with its size
+        and SHA-256, for the commit's manifest."""
 
     def load(self, checkpoint_dir: str) -> None:
         """Read model and optimizer state into this layout (collective)."""

@@ -24,10 +24,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_dt.accel.device import DeviceSpec
+from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
-from raytrain_dt.engines.deepspeed_files import saved_layout, to_universal
+from raytrain_dt.engines.deepspeed_files import recording_saves, saved_layout, to_universal
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.errors import ConfigError
@@ -213,9 +214,11 @@ class DeepSpeedEngine:
         return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
 
     # --- checkpoint state ----------------------------------------------------------------------
-    def save(self, checkpoint_dir: str) -> None:
+    def save(self, checkpoint_dir: str, digests: FileDigests | None = None) -> None:
         # Collective. Writes <dir>/ds/ (model states + per-rank ZeRO optimizer partitions).
-        self.engine.save_checkpoint(str(_local_path(checkpoint_dir)), tag=TAG)
+        path = _local_path(checkpoint_dir)
+        with recording_saves(self.engine, path, digests or FileDigests(), dist.get_rank() == 0):
+            self.engine.save_checkpoint(str(path), tag=TAG)
 
     def load(self, checkpoint_dir: str) -> None:
         path = _local_path(checkpoint_dir)

@@ -10,22 +10,59 @@ goes through its universal format (per-parameter fp32 weights and Adam moments).
 merges pipeline stages only for its own PipelineModule's layer files, so a pipeline checkpoint
 is converted stage by stage, each as the 1-stage checkpoint it is, and the results merged:
 disjoint parameter directories, and one model-states file with every stage's weights.
+
+`recording_saves` hashes what a rank writes in a save for the commit's manifest: each file
+DeepSpeed's checkpoint engine writes (torch.save) is hashed by the writing rank right after it
+is written, and global rank 0, which alone writes DeepSpeed's side files beside the tag
+directory (`latest`, the recovery scripts), hashes those.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 
 import torch
 
+from raytrain_dt.checkpoint.digests import FileDigests
+from raytrain_dt.checkpoint.storage import Location
+from raytrain_dt.checkpoint.store import COMMIT_FILE
+
 log = logging.getLogger("raytrain_dt.deepspeed")
 
 MODEL_STATES = "mp_rank_{stage:02d}_model_states.pt"
+
+
+@contextlib.contextmanager
+def recording_saves(ds_engine, step_dir: Path, digests: FileDigests,
+                    writes_side_files: bool) -> Iterator[None]:  # fmt: skip
+    """While DeepSpeed's `save_checkpoint(step_dir, ...)` runs inside: record in `digests`
+    (names relative to `step_dir`) every file this rank's checkpoint engine writes, and on
+    exit, where `writes_side_files` (global rank 0), the files beside the tag directory."""
+    checkpoint_engine = ds_engine.checkpoint_engine
+    save = checkpoint_engine.save
+    step = Location.parse(str(step_dir))
+
+    def save_and_record(state_dict, path):
+        save(state_dict, path)
+        # Just written by this process: hashed from the page cache, not the storage.
+        digests.add_stored(step, Path(path).relative_to(step_dir).as_posix())
+
+    checkpoint_engine.save = save_and_record
+    try:
+        yield
+    finally:
+        del checkpoint_engine.save  # the class's method again
+    if writes_side_files:
+        for side in sorted(p for p in step_dir.iterdir() if p.is_file()):
+            if not side.name.startswith(COMMIT_FILE):  # an earlier commit of this step's
+                digests.add_stored(step, side.name)
 
 
 def saved_layout(tag_dir: Path) -> tuple[int, bool, int] | None:

@@ -197,13 +197,15 @@ class FSDP2Engine:
     _stager: ReusableStager | None = None  # created by the first async save, then reused
     staging_wait_s = 0.0  # how long the optimizer waited for the last async save's copy
 
-    def save(self, checkpoint_dir: str, storage_writer=None) -> None:
-        """`storage_writer` replaces the default one for `checkpoint_dir` (fault injection)."""
+    def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
+        """`digests`: records each file this rank writes, hashed as written. `storage_writer`
+        replaces the default one for `checkpoint_dir` (fault injection)."""
         model_sd, optim_sd = self._state_dicts()
         dcp.save({"model": model_sd, "optim": optim_sd},
-                 storage_writer=storage_writer or dcp_writer(checkpoint_dir))  # fmt: skip
+                 storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests))  # fmt: skip
 
-    def save_async(self, checkpoint_dir: str, process_group, storage_writer=None) -> Future:
+    def save_async(self, checkpoint_dir: str, process_group, storage_writer=None,
+                   digests=None) -> Future:  # fmt: skip
         """Save in the background; returns the future of the write.
 
         Training is blocked only while the state dict is gathered: the shards are copied into
@@ -218,7 +220,7 @@ class FSDP2Engine:
         model_sd, optim_sd = self._state_dicts()
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=storage_writer or dcp_writer(checkpoint_dir),
+            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
             process_group=process_group,
             async_stager=self._stager,
         )

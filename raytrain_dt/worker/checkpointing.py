@@ -2,7 +2,9 @@
 agree with the other ranks on requested saves, restore RNG, and report what happened.
 
 The rank never decides that a checkpoint exists: it reports `saved` (or `save_failed`) and
-the coordinator commits once every rank has saved. A failed write fails that save, not the run.
+the coordinator commits once every rank has saved. The `saved` report lists the files this rank
+wrote with their sizes and SHA-256s, hashed as they were written (`checkpoint/digests.py`), so
+the coordinator commits without reading them. A failed write fails that save, not the run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from raytrain_dt.accel.device import DeviceSpec
+from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location, dcp_writer
 from raytrain_dt.engines.base import Engine
@@ -72,32 +75,42 @@ class RankCheckpointer:
     def save(self, uri: str, step: int) -> None:
         self.wait()  # one save in flight: staging buffers and the writer are reused
         started = time.perf_counter()
+        written = FileDigests()  # what this rank writes for this save, hashed as it goes
         try:
-            self._save_rng(uri)
+            self._save_rng(uri, written)
             fault = (
-                {"storage_writer": DieAfterWriting(uri)} if step in self.die_while_saving else {}
+                {"storage_writer": DieAfterWriting(uri, written)}
+                if step in self.die_while_saving
+                else {}
             )
             if self.use_async:
-                future = self.engine.save_async(uri, self.write_group, **fault)
+                future = self.engine.save_async(uri, self.write_group, digests=written, **fault)
                 reported = threading.Event()
                 self._pending = (future, reported)
-                future.add_done_callback(lambda f, s=step, u=uri: self._finished(s, u, f, reported))
+                future.add_done_callback(
+                    lambda f, s=step, u=uri: self._finished(s, u, f, reported, written)
+                )
             else:
-                self.engine.save(uri, **fault)
-                self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
+                self.engine.save(uri, digests=written, **fault)
+                self._saved(step, uri, written)
         except Exception as exc:  # permission denied, disk full, ...: this save fails, not the run
             self._failed(step, uri, exc)
         self.report(
             {"kind": "checkpoint_staged", "step": step, "stall_s": time.perf_counter() - started}
         )
 
-    def _finished(self, step: int, uri: str, future: Future, reported: threading.Event) -> None:
+    def _finished(self, step: int, uri: str, future: Future, reported: threading.Event,
+                  written: FileDigests) -> None:  # fmt: skip
         exc = future.exception()
         if exc is None:
-            self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri})
+            self._saved(step, uri, written)
         else:
             self._failed(step, uri, exc)
         reported.set()
+
+    def _saved(self, step: int, uri: str, written: FileDigests) -> None:
+        self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri,
+                     "files": written.manifest()})  # fmt: skip
 
     def _failed(self, step: int, uri: str, exc: BaseException) -> None:
         message = f"{uri}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -115,7 +128,7 @@ class RankCheckpointer:
         return True
 
     # --- RNG ---------------------------------------------------------------------------------
-    def _save_rng(self, uri: str) -> None:
+    def _save_rng(self, uri: str, written: FileDigests) -> None:
         loc = Location.parse(uri).child(RNG_DIR)
         loc.makedirs()
         buffer = io.BytesIO()
@@ -123,8 +136,10 @@ class RankCheckpointer:
         if self.device.is_accelerator:  # dropout and friends draw from the device's generator
             state[self.device.device_type] = self.device.module.get_rng_state(self.device.index)
         torch.save(state, buffer)
-        with loc.fs.open(loc.child(f"rank_{self.rank}.pt").path, "wb") as f:
+        name = f"rank_{self.rank}.pt"
+        with loc.fs.open(loc.child(name).path, "wb") as f:
             f.write(buffer.getvalue())
+        written.add_bytes(f"{RNG_DIR}/{name}", buffer.getvalue())
 
     def restore_rng(self, uri: str) -> None:
         loc = Location.parse(uri).child(RNG_DIR, f"rank_{self.rank}.pt")
@@ -145,8 +160,8 @@ class DieAfterWriting:
     shards are written, before the save completes (DCP's metadata is written only after every
     rank's write results have arrived, and this rank never reports `saved`)."""
 
-    def __init__(self, uri: str):
-        self._writer = dcp_writer(uri)
+    def __init__(self, uri: str, written: FileDigests):
+        self._writer = dcp_writer(uri, written)
 
     def __getattr__(self, name: str):
         return getattr(self._writer, name)

@@ -31,6 +31,7 @@ from raytrain_dt.accel.device import (
     release_accelerator_memory,
     select_device,
 )
+from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.initial import load_initial_weights
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
@@ -253,6 +254,12 @@ class RankWorker:
             record = train_state_record(spec, step, consumed, self._tensor_shapes)
             self._reports.put({"kind": "train_state", "step": step, "train_state": record})
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
+
+    def verify_checkpoint(self, uri: str, files: dict[str, dict]) -> list[str]:
+        """Check this rank's share of a checkpoint's files (size and SHA-256) before any rank
+        loads it; what is wrong, one line per file (empty: intact). The coordinator hands each
+        rank a disjoint share and gathers the answers (`checkpoint/digests.py`)."""
+        return verify_files(uri, files)
 
     def request_checkpoint(self, stop: bool = False) -> None:
         """Save at the next step boundary (all ranks agree on which one); with `stop`, end

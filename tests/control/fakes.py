@@ -1,9 +1,10 @@
 """A scripted cluster and rank group for driving the coordinator without Ray or torch.
 
 The fake ranks train one step per poll, save on schedule and on request (writing a file so the
-real checkpoint store can commit it), and can be told to die, hang or receive a notice. A dead
-node's ranks report what Ray reports (the actor died with its node) and their peers fail, as
-gloo peers do.
+real checkpoint store can commit it, and reporting its digest), verify their share of a
+checkpoint before a formation as real ranks do, and can be told to die, hang or receive a
+notice. A dead node's ranks report what Ray reports (the actor died with its node) and their
+peers fail, as gloo peers do.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from raytrain_dt.checkpoint.digests import FileDigests, verify_files
 from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.recovery import NODE_DIED
 
@@ -53,6 +55,7 @@ class FakeRankGroup:
         self.hung = False
         self.setup_hangs = False  # the next `setup` never returns (its deadline passes)
         self._stop_requested = False
+        self.verified: list[set[str]] = []  # the files checked before each formation
 
     @property
     def world_size(self) -> int:
@@ -90,6 +93,9 @@ class FakeRankGroup:
             self.hung, self._stop_requested = False, False
             return [{"process_group_s": 0.01, "model_build_s": 0.02, "checkpoint_load_s": 0.03,
                      "data_start_s": 0.04} for _ in self.slots]  # fmt: skip
+        if method == "verify_checkpoint":  # each rank checks its share, as the real ones do
+            self.verified.append({name for _, files in per_rank_args for name in files})
+            return [verify_files(uri, files) for uri, files in per_rank_args]
         return [None for _ in self.slots]
 
     def try_call(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
@@ -179,5 +185,9 @@ class FakeRankGroup:
         reports[0].append({"kind": "train_state", "step": self.step, "train_state": {
             "step": self.step, "consumed_samples": self.consumed}})  # fmt: skip
         for rank in range(self.world_size):
-            (step_dir / f"shard_{rank}.bin").write_bytes(b"x")
-            reports[rank].append({"kind": "saved", "step": self.step, "rank": rank})
+            written = FileDigests()
+            shard = f"shard_{rank}.bin"
+            (step_dir / shard).write_bytes(b"x" * (rank + 1))
+            written.add_bytes(shard, b"x" * (rank + 1))
+            reports[rank].append({"kind": "saved", "step": self.step, "rank": rank,
+                                  "files": written.manifest()})  # fmt: skip

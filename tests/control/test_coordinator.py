@@ -98,6 +98,39 @@ def test_lost_node_restarts_smaller_from_the_latest_checkpoint(start):
     assert first["total_s"] >= first["first_step_s"] > 0
 
 
+def test_ranks_verify_the_resume_checkpoint_and_a_corrupted_one_falls_back(start):
+    """The re-formed group's ranks check the newest checkpoint's files (every file, each by
+    one rank) before anyone loads it; a shard changed in place (same size: the driver's
+    listing cannot tell) makes the group resume from the previous committed checkpoint."""
+    coordinator, cluster, group = start()
+    advance_until(coordinator, Running)
+    train_to(coordinator, 9)
+    newest = coordinator.store.committed()[-1]
+    assert newest.step == 8
+    shard = Path(coordinator.checkpoint_root, "step_8", "shard_1.bin")
+    shard.write_bytes(b"y" * shard.stat().st_size)
+    cluster.node_ids.remove("b")
+    group.kill_node("b")
+    assert isinstance(coordinator.advance(), Restarting)
+    assert isinstance(coordinator.advance(), Running)
+    assert coordinator.step == 4
+    # Step 8's files were verified (all of them), then step 4's; the group loads step 4.
+    assert group.verified[-2:] == [
+        set(newest.record["files"]),
+        {f"shard_{r}.bin" for r in range(4)},
+    ]
+    (damaged,) = events(coordinator, "checkpoint_damaged")
+    assert damaged["step"] == 8 and damaged["problems"] == [
+        f"{newest.uri}/shard_1.bin: checksum mismatch"
+    ]
+    (resize,) = events(coordinator, "resize")
+    assert resize["resumed_step"] == 4 and resize["lost_steps"] == 5
+    assert resize["checkpoint_verify_s"] >= 0
+    # Step 8 is trained again and committed anew: the next formation may resume from it.
+    train_to(coordinator, 9)
+    assert coordinator.store.latest_valid().step == 8
+
+
 def test_below_min_nodes_waits_then_starts_actors_on_a_new_node(start):
     """Survivors too few to train (elastic.min_nodes) wait; a node that joins meanwhile gets
     its actors started at once (not deferred as after a failure that could re-form), and the

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from reference import reference_run
+from report_checks import check_manifest
 
 from raytrain_dt.control.coordinator import train
 from raytrain_dt.observe.metrics import read_jsonl
@@ -62,6 +63,10 @@ def test_resume_equals_uninterrupted_and_reshards(make_config, tmp_path):
     train(make_config(*args, run_dir=run_dir), show_progress=False)
     uninterrupted = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert len(uninterrupted) == 6
+    # Each rank hashed what DeepSpeed wrote for it (rank 0 also its side files): all of it.
+    record = check_manifest(str(run_dir / "checkpoints" / "step_3"))
+    assert {"latest", "zero_to_fp32.py", "ds/mp_rank_00_model_states.pt",
+            "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(record["files"])  # fmt: skip
 
     # Same layout: lose everything after step 3, as a crash between the two saves would.
     shutil.rmtree(run_dir / "checkpoints" / "step_6")
@@ -96,5 +101,6 @@ def test_zero1_pipeline_equals_single_process(make_config):
     # One set of DeepSpeed files per stage, each under the unsplit model's names.
     stages = sorted(Path(result.latest_checkpoint, "ds").glob("mp_rank_*_model_states.pt"))
     assert len(stages) == 2
+    check_manifest(result.latest_checkpoint)  # each stage's files reported by its writer
     names = [set(torch.load(f, weights_only=False)["module"]) for f in stages]
     assert not names[0] & names[1] and names[0] | names[1] == ref_params.keys()

@@ -3,12 +3,12 @@ transformers' LlamaForCausalLM with the same logits as our model; `ckpt ls/inspe
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from reference import load_checkpoint_params
+from report_checks import check_manifest
 from safetensors import safe_open
 
 from raytrain_dt.cli import main
@@ -65,12 +65,12 @@ def test_ckpt_ls_and_inspect_report_a_committed_intact_checkpoint(trained, capsy
     _, result = trained
     assert main(["ckpt", "ls", result.run_dir]) == 0
     listing = capsys.readouterr().out
-    assert "step        2" in listing and "committed, intact" in listing
-    assert main(["ckpt", "inspect", result.latest_checkpoint]) == 0
+    assert "step        2" in listing and "committed, files present at recorded sizes" in listing
+    assert main(["ckpt", "inspect", "--verify", result.latest_checkpoint]) == 0
     report = capsys.readouterr().out
     assert "step: 2   consumed samples: 16" in report
-    assert "state: committed, intact" in report
-    record = json.loads(Path(result.latest_checkpoint, "commit.json").read_text())
+    assert "state: committed, intact" in report  # every file's SHA-256 as the ranks reported
+    record = check_manifest(result.latest_checkpoint)  # the ranks reported every file
     assert f"files: {len(record['files'])}" in report
     # The metadata record holds what the issue lists, and inspect shows it.
     cfg, _ = trained

@@ -12,6 +12,7 @@ import os
 import socket
 
 import pytest
+from report_checks import check_manifest, file_reads_below
 
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.checkpoint.store import CheckpointStore
@@ -77,18 +78,23 @@ def test_s3_save_commit_skip_damaged_and_resume_exactly(s3_endpoint, make_config
         "engine.zero_stage=3",
         f"checkpoint.dir={root}",
     )
-    train(make_config(*overrides, run_dir=run_dir), show_progress=False)
+    with file_reads_below(root) as reads:
+        train(make_config(*overrides, run_dir=run_dir), show_progress=False)
+    # The driver committed from the ranks' digests: it read commit records, never a shard.
+    assert {name.rsplit("/", 1)[-1] for name in reads} == {"commit.json"}
     uninterrupted = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
     assert len(uninterrupted) == 8
     committed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["event"] == "checkpoint"]
     assert [e["step"] for e in committed] == [4, 8]
     assert all(e["path"].startswith("s3://") and e["bytes"] > 0 for e in committed)
 
-    # Everything is on S3, committed and intact; nothing went to the local run dir.
+    # Everything is on S3, committed and intact (the digests the ranks took while uploading are
+    # those of the stored objects); nothing went to the local run dir.
     _forget_s3_filesystems()  # list what the server holds, not this process's listing cache
     store = CheckpointStore(root)
     assert [r.step for r in store.committed()] == [4, 8]
-    assert all(store.problems(r) == [] for r in store.committed())
+    for ref in store.committed():
+        check_manifest(ref.uri)
     assert not (run_dir / "checkpoints").exists()
 
     # Truncate one shard of the newest checkpoint, as an interrupted upload would leave it.
@@ -100,7 +106,10 @@ def test_s3_save_commit_skip_damaged_and_resume_exactly(s3_endpoint, make_config
         f.write(head)
     _forget_s3_filesystems()
 
-    result = train(make_config(*overrides, "resume=true", run_dir=run_dir), show_progress=False)
+    with file_reads_below(root) as reads:
+        result = train(make_config(*overrides, "resume=true", run_dir=run_dir),
+                       show_progress=False)  # fmt: skip
+    assert {name.rsplit("/", 1)[-1] for name in reads} == {"commit.json"}
     start = next(e for e in read_jsonl(run_dir / "events.jsonl")[::-1] if e["event"] == "start")
     assert start["resumed_from"].endswith("step_4")
     resumed = read_jsonl(run_dir / "metrics.jsonl")
@@ -112,3 +121,4 @@ def test_s3_save_commit_skip_damaged_and_resume_exactly(s3_endpoint, make_config
     ref = CheckpointStore(root).latest_valid()
     assert ref is not None and ref.step == 8
     assert ref.record["files"][shard]["size"] > 100
+    check_manifest(ref.uri)
