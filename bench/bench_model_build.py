@@ -7,8 +7,8 @@ idle (torch imported, nothing built), restarts its high-water mark (`reset_host_
 reports its peak RSS after the build and, for the smaller models, after one training step
 (AdamW moments included); the max over ranks is recorded.
 
-Beside it, what every rank paid before this path existed: the whole fp32 model built in the
-process (`ModelSpec.build`, measured in one process; the old path then sharded it, so this is
+Beside it, what every rank paid before this path existed: the whole fp32 model constructed
+and initialised on the host (measured in one process; the old path then sharded it, so this is
 its lower bound) and the same times 4 ranks.
 
 Cases: ~100M and ~400M parameters (the 400M one is tests/ray/test_model_memory.py's model), and
@@ -64,10 +64,13 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
     from raytrain_dt.models.spec import model_spec
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
+    from raytrain_dt.worker.rank_actor import import_lazy_torch_modules
 
     torch.set_num_threads(1)  # as inside the Ray actors
     cfg = make_config(model)
-    # What the rank actor measures: idle, then the peak from the build on.
+    # What the rank actor measures: idle (its lazy torch modules imported when it started),
+    # then the peak from the build on.
+    import_lazy_torch_modules()
     reset_host_peak()
     idle = host_memory()["host_rss_bytes"]
     started = time.perf_counter()
@@ -89,7 +92,8 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
 
 
 def _whole_model(model: dict, results) -> None:
-    """The old path's first act on every rank: the whole fp32 model in the process."""
+    """The old path's first act on every rank: the whole fp32 model constructed on the host
+    and initialised in place (torch's module init, as the old one did)."""
     import torch
 
     from raytrain_dt.accel.device import host_memory, reset_host_peak
@@ -100,7 +104,8 @@ def _whole_model(model: dict, results) -> None:
     spec = model_spec(cfg)
     reset_host_peak()
     idle = host_memory()["host_rss_bytes"]
-    spec.build(SEQ_LEN, cfg.run.seed)
+    with torch.device("cpu"):
+        spec.instantiate(SEQ_LEN)
     results.put(host_memory()["host_rss_peak_bytes"] - idle)
 
 
@@ -138,7 +143,7 @@ def bench_case(name: str) -> dict:
         "ranks": WORLD,
         "build_rss_above_idle_gb": round(build / GB, 3),
         "build_over_model": round(build / full, 3),
-        "step_rss_above_idle_gb": None if step is None else round(step / GB, 3),
+        "step_rss_above_idle_gb": "not trained" if step is None else round(step / GB, 3),
         "idle_rss_gb": round(max(r[1] for r in ranks) / GB, 3),
         "build_s": round(max(r[4] for r in ranks), 1),
         "old_whole_model_rss_above_idle_gb": round(whole / GB, 3),
@@ -165,9 +170,13 @@ def main() -> int:
         "(4 ranks, FSDP2 full sharding)",
         cases,
         notes=f"{WORLD} ranks (torch.multiprocessing, gloo, CPU, fp32, 1 thread each), seq_len "
-        f"{SEQ_LEN}; max over ranks. old_*: the whole fp32 model built in one process, which "
-        "every rank did before sharding until sharded materialization; llama-1b is built, not "
-        f"trained; load average {common.load_average():.1f} at the end",
+        f"{SEQ_LEN}; max over ranks; step_*: after one step (AdamW moments and the foreach "
+        "optimizer's temporaries included). old_*: the whole fp32 model constructed and "
+        "initialised in one process, which every rank did before sharding until sharded "
+        "materialization. llama-1b is the largest preset whose build fits on this 24 GiB "
+        "machine (llama-7b is 27 GB in fp32 even over 4 ranks); the old path would have "
+        "needed old_4_ranks_total_gb for it; it is built, not trained (its fp32 AdamW state "
+        f"would need 20 GB more); load average {common.load_average():.1f} at the end",
     )
     return 0 if all(c["status"] == "PASS" for c in cases) else 1
 
