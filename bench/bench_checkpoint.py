@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import contextlib
+import dataclasses
 import hashlib
 import io
 import json
@@ -60,8 +61,8 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config.schema import TrainConfig
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
-    from raytrain_dt.models.llama import build_model
     from raytrain_dt.models.presets import ModelShape
+    from raytrain_dt.models.spec import llama_spec
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer
@@ -73,8 +74,9 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     device = select_device("fp32")
     layout = Layout(ParallelDims(world_size=WORLD, dp_shard=WORLD), 3, 1, 1)
     mesh = layout.dims.build_mesh(device.device_type)
-    engine = FSDP2Engine(build_model(ModelShape(**SHAPE), SEQ_LEN, 0), TrainConfig(), layout,
-                         mesh, device)  # fmt: skip
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=SEQ_LEN))
+    engine = FSDP2Engine(llama_spec(ModelShape(**SHAPE)), cfg, layout, mesh, device)
     tokens = torch.randint(0, SHAPE["vocab_size"], (1, SEQ_LEN))
 
     def train_step(step: int) -> float:

@@ -100,9 +100,8 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
     import torch.distributed as dist
 
     from raytrain_dt.accel.device import select_device
-    from raytrain_dt.control.run_setup import model_shape
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.models.spec import model_spec
 
     cfg, layout = make_config(engine_name), make_layout(zero, degrees)
     dims = layout.dims
@@ -118,8 +117,7 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
     )
     try:
         mesh = dims.build_mesh("cpu")
-        model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
-        engine = build_engine(model, cfg, layout, mesh, select_device("fp32"))
+        engine = build_engine(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
         out: dict = {"rank": rank, "accum_grads": None, "fwd_params": None}
         if engine_name == "deepspeed":
             memory_probe.instrument_deepspeed(engine, out)

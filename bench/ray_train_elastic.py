@@ -31,11 +31,10 @@ def train_fn(config: dict) -> None:
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config import load_config
-    from raytrain_dt.control.run_setup import model_shape
     from raytrain_dt.data.order import rank_positions, sample_ids
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.models.spec import model_spec
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
 
@@ -44,8 +43,8 @@ def train_fn(config: dict) -> None:
     gb = cfg.trainer.global_batch
     layout = Layout(ParallelDims(world_size=world, dp_shard=world), 3, gb // world, 1)
     device = select_device(cfg.engine.precision)
-    model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
-    engine = build_engine(model, cfg, layout, layout.dims.build_mesh(device.device_type), device)
+    mesh = layout.dims.build_mesh(device.device_type)
+    engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     start = 0
     checkpoint = ray.train.get_checkpoint()

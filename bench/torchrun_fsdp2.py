@@ -25,12 +25,11 @@ def train_fn(config: dict) -> None:
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config import load_config
-    from raytrain_dt.control.run_setup import model_shape
     from raytrain_dt.data.order import sample_ids
     from raytrain_dt.data.pipeline import DataSlice
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.models.spec import model_spec
     from raytrain_dt.topology.layout import Layout
 
     started = time.perf_counter()
@@ -42,8 +41,7 @@ def train_fn(config: dict) -> None:
     dims = layout.dims
     device = select_device(cfg.engine.precision)
     mesh = dims.build_mesh(device.device_type)
-    model = build_model(model_shape(cfg), cfg.data.seq_len, cfg.run.seed)
-    engine = build_engine(model, cfg, layout, mesh, device)
+    engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     steps = cfg.trainer.steps
     data = DataSlice(dataset=dataset, shuffle_seed=cfg.data.shuffle_seed, consumed_samples=0,

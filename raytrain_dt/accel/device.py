@@ -159,13 +159,26 @@ def release_accelerator_memory(spec: DeviceSpec) -> None:
 def memory_usage(spec: DeviceSpec) -> dict[str, int]:
     """This rank's memory in bytes: on an accelerator the allocator's allocated and peak
     allocated bytes (peak since the layout began: `release_accelerator_memory`); on the CPU,
-    where tensors live in the process heap, the resident set size and its high-water mark."""
+    where tensors live in the process heap, the resident set size and its high-water mark.
+    `host_rss_peak_bytes` is always the host's high-water mark (`host_memory`)."""
+    host = host_memory()
     if spec.is_accelerator:
         module = spec.module
         return {
             "mem_allocated_bytes": int(module.memory_allocated()),
             "mem_peak_bytes": int(module.max_memory_allocated()),
+            "host_rss_peak_bytes": host["host_rss_peak_bytes"],
         }
+    return {
+        "mem_allocated_bytes": host["host_rss_bytes"],
+        "mem_peak_bytes": host["host_rss_peak_bytes"],
+        "host_rss_peak_bytes": host["host_rss_peak_bytes"],
+    }
+
+
+def host_memory() -> dict[str, int]:
+    """This process's resident set size in host memory and its high-water mark (since the
+    process started, or since the last `reset_host_peak`), in bytes."""
     import resource
     import sys
 
@@ -175,4 +188,16 @@ def memory_usage(spec: DeviceSpec) -> dict[str, int]:
     # ru_maxrss is the process's peak RSS: KiB on Linux, bytes on macOS.
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     peak *= 1 if sys.platform == "darwin" else 1024
-    return {"mem_allocated_bytes": int(rss), "mem_peak_bytes": int(max(rss, peak))}
+    return {"host_rss_bytes": int(rss), "host_rss_peak_bytes": int(max(rss, peak))}
+
+
+def reset_host_peak() -> bool:
+    """Restart the host high-water mark at the current RSS, so that what follows (a layout's
+    build and steps) measures its own peak, not an earlier layout's. Linux only (writing 5 to
+    /proc/self/clear_refs, which ru_maxrss follows); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return False
+    return True

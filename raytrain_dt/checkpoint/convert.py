@@ -140,12 +140,11 @@ def write_fsdp2(uri: str, state: FullState, step: float, shape: ModelShape, cfg:
 def _deepspeed_engine(shape: ModelShape, cfg: TrainConfig, layout: Layout):
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
-    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.models.spec import llama_spec
 
     device = select_device("fp32")  # master weights and Adam moments are fp32 in both formats
     mesh = layout.dims.build_mesh(device.device_type)
-    model = build_model(shape, cfg.data.seq_len, cfg.run.seed)
-    return DeepSpeedEngine(model, cfg, layout, mesh, device)
+    return DeepSpeedEngine(llama_spec(shape), cfg, layout, mesh, device)
 
 
 def _named_params(engine) -> dict[str, torch.nn.Parameter]:

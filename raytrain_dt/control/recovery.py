@@ -116,6 +116,7 @@ class GroupRecovery:
             pids=[s.pid for s in self.group.slots],
             **self.recovery.formed(formed - started, setup),
         )  # fmt: skip
+        self.recorder.model_built(setup)
         # The next incident is timed afresh; this one's clock runs on to the first step.
         self._formation_timer, self.recovery = self.recovery, RecoveryTimer()
         self.group.call("start")  # after the event: no step may precede its formation's record

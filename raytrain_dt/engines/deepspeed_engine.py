@@ -1,6 +1,12 @@
 """DeepSpeed engine: ZeRO stage 0-3 data parallelism behind the Engine protocol (ZeRO-1 with
 pipeline stages: `deepspeed_pipeline`, which reuses this engine's state and checkpoints).
 
+The model is built from its spec by the engine. ZeRO-3 partitions it as it is constructed
+(`deepspeed.zero.Init`), and each rank fills only its own partition of every parameter with the
+values every layout starts from (`build_partitioned`), so no rank holds the full model. ZeRO-0/1/2
+replicate the parameters on every DP rank by definition: there each rank materializes the whole
+model on its device (and the planner's memory model prices exactly that).
+
 The model is wrapped by `deepspeed.initialize` with our own AdamW (`engines.optim`, same param
 groups as FSDP2 and the reference) as a client optimizer, and a config generated from ours by
 `deepspeed_config`, the one place where DeepSpeed's defaults meet our semantics. DeepSpeed owns
@@ -32,7 +38,13 @@ from raytrain_dt.engines.deepspeed_files import recording_saves, saved_layout, t
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.errors import ConfigError
-from raytrain_dt.models.spec import ModelSpec, llama_spec
+from raytrain_dt.models.materialize import (
+    WeightSource,
+    initial_weights,
+    read_flat,
+    unique_parameters,
+)
+from raytrain_dt.models.spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
 from raytrain_dt.topology.pins import engine_refusal
@@ -119,12 +131,10 @@ def _skip_shm_comm() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
 
 
-def initialize_deepspeed(
-    model: nn.Module, cfg: TrainConfig, ds_config: dict, device: DeviceSpec, mpu=None
-) -> tuple:
-    """(DeepSpeed engine, its optimizer) around `model` with our AdamW, on the process group
-    the actor already initialised. `mpu` names the data- and model-parallel groups when the
-    world is more than data parallel (DeepSpeed's "model parallel unit" protocol)."""
+def prepare_deepspeed(device: DeviceSpec, mpu=None) -> None:
+    """Point DeepSpeed at the process group the actor already initialised, on this rank's
+    device, with the parallel groups of `mpu` (DeepSpeed's "model parallel unit" protocol; the
+    world is one DP group when None)."""
     import deepspeed
 
     # DeepSpeed picks its device from LOCAL_RANK; the actor has already selected it.
@@ -144,6 +154,16 @@ def initialize_deepspeed(
 
     groups.mpu = mpu
     groups._WORLD_GROUP = None
+
+
+def initialize_deepspeed(
+    model: nn.Module, cfg: TrainConfig, ds_config: dict, device: DeviceSpec, mpu=None
+) -> tuple:
+    """(DeepSpeed engine, its optimizer) around `model` with our AdamW, on the process group
+    the actor already initialised (`prepare_deepspeed`)."""
+    import deepspeed
+
+    prepare_deepspeed(device, mpu)
     engine, optimizer, _, _ = deepspeed.initialize(
         model=model,
         optimizer=build_adamw(model, cfg.trainer),
@@ -154,22 +174,53 @@ def initialize_deepspeed(
     return engine, optimizer
 
 
+@torch.no_grad()
+def build_partitioned(
+    spec: ModelSpec, max_seq_len: int, ds_config: dict, device: DeviceSpec, weights: WeightSource
+) -> nn.Module:
+    """ZeRO-3: the model partitioned over the DP ranks module by module as it is constructed
+    (`zero.Init`: at most one module's parameters are ever whole, briefly), then each rank's
+    partition of every parameter filled from `weights`. A partition is a flat range of the
+    parameter (`ds_tensor`, padded at the end), read as the rows that cover it."""
+    import deepspeed
+
+    prepare_deepspeed(device)
+    # mem_efficient_linear=False: leave torch's F.linear alone (the same kernel as FSDP2). No
+    # dtype: the config's precision decides (DeepSpeed 0.19.8 ignores an explicit dtype where the
+    # accelerator lacks fp16, the CPU's case, and partitions in bf16).
+    partitioning = deepspeed.zero.Init(config_dict_or_path=ds_config, mem_efficient_linear=False)
+    with partitioning:
+        model = spec.instantiate(max_seq_len)
+    for name, module, param in unique_parameters(model):
+        part = param.ds_tensor
+        start = part.ds_numel * param.ds_zero_partition_rank
+        stop = min(start + part.ds_numel, param.ds_numel)
+        if stop > start:
+            shape = tuple(param.ds_shape)
+            part[: stop - start].copy_(read_flat(weights, name, module, shape, start, stop))
+    return model
+
+
 class DeepSpeedEngine:
     def __init__(
         self,
-        model: nn.Module,
+        spec: ModelSpec,
         cfg: TrainConfig,
         layout: Layout,
         mesh: DeviceMesh,
         device: DeviceSpec,
-        spec: ModelSpec | None = None,
+        weights: WeightSource | None = None,
     ):
         self.cfg = cfg
         self.layout = layout
         self.device = device
-        spec = spec or llama_spec(model.shape)
         self._loss = spec.loss_fn()
         self.ds_config = deepspeed_config(cfg, layout, device)
+        weights = weights or initial_weights(spec, cfg.run.seed)
+        if layout.zero_stage == 3:
+            model = build_partitioned(spec, cfg.data.seq_len, self.ds_config, device, weights)
+        else:  # replicated parameters (ZeRO-0/1/2): the whole model on every rank, by design
+            model = spec.build(cfg.data.seq_len, cfg.run.seed, device.torch_device, weights)
         if layout.activation_checkpointing:
             from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_dt.accel.device import DeviceSpec
@@ -32,7 +31,8 @@ from raytrain_dt.engines.deepspeed_engine import (
     initialize_deepspeed,
 )
 from raytrain_dt.engines.optim import apply_lr_schedule
-from raytrain_dt.models.spec import ModelSpec, llama_spec
+from raytrain_dt.models.materialize import WeightSource, initial_weights, materialize
+from raytrain_dt.models.spec import ModelSpec
 from raytrain_dt.parallel.pipeline import (
     Pipeline,
     StageUnion,
@@ -93,23 +93,27 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
 
     def __init__(
         self,
-        model: nn.Module,
+        spec: ModelSpec,
         cfg: TrainConfig,
         layout: Layout,
         mesh: DeviceMesh,
         device: DeviceSpec,
-        spec: ModelSpec | None = None,
+        weights: WeightSource | None = None,
     ):
         self.cfg = cfg
         self.layout = layout
         self.device = device
         if layout.padded_slots:
             raise ValueError(f"{layout.describe()}: pipeline stages need an exact global batch")
-        spec = spec or llama_spec(model.shape)
         self.ds_config = pipeline_deepspeed_config(cfg, layout, device)
         pp_mesh = mesh["pp"]
         self._pp_group = pp_mesh.get_group()
-        parts = split_model(model, layout, pp_mesh.get_local_rank(), spec)
+        # The skeleton is cut first: a rank materializes only its stages (whole, as ZeRO-1
+        # replicates parameters over the stage's DP group).
+        parts = split_model(spec.skeleton(cfg.data.seq_len), layout, pp_mesh.get_local_rank(), spec)
+        weights = weights or initial_weights(spec, cfg.run.seed)
+        for part in parts:
+            materialize(part, device.torch_device, weights)
         if layout.activation_checkpointing:
             from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
 
@@ -121,11 +125,7 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
             union, cfg, self.ds_config, device, mpu=PipelineGroups(mesh)
         )
         # The stages share their modules with the union DeepSpeed now manages (it moved and
-        # flattened their parameters in place), so the schedule is built only now. What the
-        # union does not hold, each stage's own buffers (the rotary cache), DeepSpeed did not
-        # move: on an accelerator it would stay in host memory.
-        for part in parts:
-            part.to(device.torch_device)
+        # flattened their parameters in place), so the schedule is built only now.
         self.pipeline = Pipeline(
             parts, layout, self._pp_group, pp_mesh.get_local_rank(), device.torch_device,
             spec.loss_fn(),

@@ -1,5 +1,9 @@
 """FSDP2 engine: `fully_shard` per block and at the root, AdamW, clipping, DCP state.
 
+The model is never whole on a rank: its skeleton (meta parameters) is cut into this rank's
+pipeline stages, tensor-parallelized and sharded, and only then are this rank's shards
+allocated and filled (`models.materialize`), with the same values whatever the layout.
+
 zero_stage maps to FSDP2 as: 0 -> replicate only (DDP semantics through HSDP with shard size
 1), 1 and 2 -> grad-op sharding (`reshard_after_forward=False`), 3 -> full sharding. Each
 micro-step's loss is divided by the accumulation count, so the reduced gradient is the gradient
@@ -41,7 +45,8 @@ from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
-from raytrain_dt.models.spec import ModelSpec, llama_spec
+from raytrain_dt.models.materialize import WeightSource, initial_weights, materialize
+from raytrain_dt.models.spec import ModelSpec
 from raytrain_dt.parallel.pipeline import (
     Pipeline,
     StageUnion,
@@ -92,22 +97,27 @@ def _recomputed_in_backward(forward):
 class FSDP2Engine:
     def __init__(
         self,
-        model: nn.Module,
+        spec: ModelSpec,
         cfg: TrainConfig,
         layout: Layout,
         mesh: DeviceMesh,
         device: DeviceSpec,
-        spec: ModelSpec | None = None,
+        weights: WeightSource | None = None,
     ):
+        """Builds `spec`'s model as a skeleton (no parameter memory), cuts this rank's pipeline
+        stages, parallelizes them, then materializes only this rank's shards from `weights`
+        (the spec's initial weights when None): no rank ever holds the full model."""
         self.cfg = cfg
         self.layout = layout
         self.mesh = mesh
         self.device = device
-        # Which modules are blocks, ends, TP plan and loss: our decoder's unless told.
-        self.spec = spec or llama_spec(model.shape)
+        # Which modules are blocks, ends, TP plan and loss.
+        self.spec = spec
         self._loss = self.spec.loss_fn()
         self.pipeline: Pipeline | None = None
         self._pp_group = None
+        weights = weights or initial_weights(spec, cfg.run.seed)
+        model = spec.skeleton(cfg.data.seq_len)
         if layout.dims.pp_enabled:
             if layout.padded_slots:
                 raise ValueError(f"{layout.describe()}: pipeline stages need an exact global batch")
@@ -116,8 +126,11 @@ class FSDP2Engine:
             parts = split_model(model, layout, pp_mesh.get_local_rank(), self.spec)
         else:
             parts = [model]
+        # Offloaded shards live (and step) in host memory; buffers are used by the compute.
+        param_device = "cpu" if layout.offload_optimizer else device.torch_device
         for part in parts:
             self._parallelize(part)
+            materialize(part, param_device, weights, buffer_device=device.torch_device)
         if layout.dims.pp_enabled:
             self.pipeline = Pipeline(parts, layout, self._pp_group, pp_mesh.get_local_rank(),
                                      device.torch_device, self._loss)  # fmt: skip
@@ -128,7 +141,8 @@ class FSDP2Engine:
         self._dp_group = mesh["dp"].get_group()
 
     def _parallelize(self, model: nn.Module) -> None:
-        """TP, then activation checkpointing, then FSDP over the DP mesh (one pipeline stage)."""
+        """TP, then activation checkpointing, then FSDP over the DP mesh (one pipeline stage,
+        still on the meta device)."""
         layout, mesh, device = self.layout, self.mesh, self.device
         if layout.dims.tp_enabled:
             self.spec.apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
@@ -148,8 +162,6 @@ class FSDP2Engine:
         # The root holds embeddings, final norm and head; they are used last in backward, so
         # resharding them after forward would only add an all-gather.
         fully_shard(model, reshard_after_forward=False, **shard_kwargs)
-        if device.is_accelerator and not layout.offload_optimizer:
-            model.to(device.torch_device)
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None

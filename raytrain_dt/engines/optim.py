@@ -16,8 +16,11 @@ from raytrain_dt.engines.schedule import lr_at
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for param in model.parameters():
+        # A parameter ZeRO-3 partitioned as it was built is an empty 1-D tensor; DeepSpeed
+        # keeps its real shape in `ds_shape`.
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
+            ndim = len(getattr(param, "ds_shape", param.shape))
+            (decay if ndim >= 2 else no_decay).append(param)
     return [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

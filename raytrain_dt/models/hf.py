@@ -2,25 +2,30 @@
 
 `model.hf` names a local directory or a model type:
 - a directory with weights (`*.safetensors` / `pytorch_model*.bin`) and `config.json`: the
-  weights are loaded (fine-tuning; our `ckpt consolidate` output is such a directory);
+  weights are loaded (fine-tuning; our `ckpt consolidate` output is such a directory), each rank
+  reading only the slices of the shards it holds (`checkpoint.initial.DirectoryWeights`);
 - a directory with only `config.json`, or a model type such as `llama`: random init from the
   config (nothing is downloaded), with `model.hf_config` overriding config fields.
 
 The transformers model is held by `HFCausalLM`, which keeps the Llama family's module tree
 (`model.embed_tokens`, `model.layers.N`, `model.norm`, `lm_head`, so parameter names are the
 Hub's) but turns `layers` into a ModuleDict and runs its own forward over whatever a pipeline
-stage holds. transformers' own forward, device map and distributed init are not used: FSDP,
-TP (`parallel.hf_tensor_parallel`) and PP are ours.
+stage holds. transformers' own forward, device map, weight loading and distributed init are
+not used: FSDP, TP (`parallel.hf_tensor_parallel`) and PP are ours, and the model is built as a
+skeleton and materialized shard by shard like our own (`models.materialize`), with
+transformers' `_init_weights` distributions (`hf_param_init`).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.materialize import ParamInit
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.models.spec import ModelParts, ModelSpec
 
@@ -110,19 +115,41 @@ class HFCausalLM(nn.Module):
         return h if self.lm_head is None else self.lm_head(h)
 
 
-def build_hf(options: tuple[str, dict, bool], max_seq_len: int) -> HFCausalLM:
-    """Factory of `hf_spec`: random init from the config, or the directory's weights."""
+@dataclass(frozen=True)
+class HFOptions:
+    """What `build_hf` and `hf_param_init` need: the config's source and overrides, and the
+    std of its normal init (`initializer_range`)."""
+
+    source: str
+    overrides: dict = field(default_factory=dict)
+    init_std: float = 0.02
+
+
+def build_hf(options: HFOptions, max_seq_len: int) -> HFCausalLM:
+    """Factory of `hf_spec`: the model from its config (weights come from `materialize`)."""
     from transformers import AutoModelForCausalLM
 
-    source, overrides, load_weights = options
-    config = load_config(source, overrides)
-    if load_weights:
-        model = AutoModelForCausalLM.from_pretrained(
-            source, config=config, dtype=torch.float32, local_files_only=True
-        )
-    else:
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    return HFCausalLM(model)
+    config = load_config(options.source, options.overrides)
+    return HFCausalLM(AutoModelForCausalLM.from_config(config, dtype=torch.float32))
+
+
+def hf_param_init(options: HFOptions, name: str, module: nn.Module) -> ParamInit:
+    """transformers' `PreTrainedModel._init_weights` for the Llama family's modules: linear and
+    embedding weights normal(initializer_range) (the padding row 0), biases 0, norms 1."""
+    leaf = name.rsplit(".", 1)[-1]
+    if leaf == "bias":
+        return ParamInit.zeros()
+    if isinstance(module, nn.Linear):
+        return ParamInit.normal(options.init_std)
+    if isinstance(module, nn.Embedding):
+        padding = () if module.padding_idx is None else (module.padding_idx,)
+        return ParamInit.normal(options.init_std, zero_rows=padding)
+    if "RMSNorm" in type(module).__name__ or "LayerNorm" in type(module).__name__:
+        return ParamInit.ones()
+    raise ConfigError(
+        f"model.hf: no initialisation rule for {name} (a {type(module).__name__}); "
+        "only Llama-family modules are supported"
+    )
 
 
 def hf_spec(source: str, overrides: dict | None = None, init: str = "auto") -> ModelSpec:
@@ -138,8 +165,10 @@ def hf_spec(source: str, overrides: dict | None = None, init: str = "auto") -> M
         name=f"hf:{config.model_type}",
         shape=shape_of(config),
         factory=build_hf,
-        options=(source, overrides, load_weights),
+        options=HFOptions(source, overrides, getattr(config, "initializer_range", None) or 0.02),
         parts=HF_PARTS,
         tensor_parallel="raytrain_dt.parallel.hf_tensor_parallel:apply_hf_tensor_parallel",
         vocab_size=config.vocab_size,
+        param_init=hf_param_init,
+        weights_dir=source if load_weights else None,
     )

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from raytrain_dt.models.materialize import ParamInit
 from raytrain_dt.models.presets import ModelShape
 
 
@@ -101,19 +102,6 @@ class LlamaDecoder(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         # Not a parameter and not saved: rebuilt from the shape, so checkpoints stay layout-free.
         self.register_buffer("rope", rope_cache(shape, max_seq_len), persistent=False)
-        self.reset_parameters()
-
-    @torch.no_grad()
-    def reset_parameters(self) -> None:
-        """Deterministic init given the torch seed: normal(0.02), residual outputs scaled by depth."""
-        residual_std = 0.02 / math.sqrt(2 * self.shape.n_layers)
-        for name, param in self.named_parameters():
-            if param.dim() == 1:
-                nn.init.ones_(param)
-            elif name.endswith(("wo.weight", "w2.weight")):
-                nn.init.normal_(param, std=residual_std)
-            else:
-                nn.init.normal_(param, std=0.02)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds None for the ends it does not own: the first stage takes token
@@ -126,11 +114,22 @@ class LlamaDecoder(nn.Module):
         return h if self.output is None else self.output(h)
 
 
+def llama_param_init(shape: ModelShape, name: str, module: nn.Module) -> ParamInit:
+    """The decoder's init (`ModelSpec.param_init`): norms 1, normal(0.02) elsewhere, with the
+    residual output projections (attention `wo`, MLP `w2`) scaled down by depth."""
+    # By module, not by the parameter's shape: under ZeRO-3 it is an empty partition.
+    if isinstance(module, nn.RMSNorm):
+        return ParamInit.ones()
+    if name.endswith(("wo.weight", "w2.weight")):
+        return ParamInit.normal(0.02 / math.sqrt(2 * shape.n_layers))
+    return ParamInit.normal(0.02)
+
+
 def build_model(shape: ModelShape, max_seq_len: int, seed: int) -> LlamaDecoder:
-    """The full model on CPU, initialised identically on every rank from `seed`."""
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        return LlamaDecoder(shape, max_seq_len)
+    """The full model on CPU in this process, with the initial weights of every layout."""
+    from raytrain_dt.models.spec import llama_spec
+
+    return llama_spec(shape).build(max_seq_len, seed)
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:

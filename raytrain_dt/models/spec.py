@@ -10,6 +10,11 @@ such as torch.distributed or transformers out of the processes that never call t
 
 Our Llama decoder is one spec (`llama_spec`); `model.hf` builds a transformers one
 (`raytrain_dt.models.hf`), imported only when a config asks for it.
+
+Ranks never build the full model: they take the spec's `skeleton` (parameters on the meta
+device), shard it, and materialize their shards (`models.materialize`). `build` gives the whole
+model in one process (the tests' reference, offline tools) by the same path, so its weights are
+the ones every layout starts from.
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain_dt.models.materialize import (
+    ParamInit,
+    WeightSource,
+    initial_weights,
+    materialize,
+    parameters_on_meta,
+)
 from raytrain_dt.models.presets import ModelShape, resolve_shape
 
 # (model, tp_mesh, sequence_parallel) -> None, parallelizing the model in place.
@@ -45,7 +57,8 @@ class ModelParts:
 class ModelSpec:
     name: str
     shape: ModelShape
-    # (options, max_seq_len) -> nn.Module on the current default device; `build` seeds it.
+    # (options, max_seq_len) -> nn.Module on the current default device; its own parameter
+    # init is irrelevant (parameters are filled by `materialize`).
     factory: Callable[..., nn.Module] | str
     options: Any = None
     parts: ModelParts = field(default_factory=ModelParts)
@@ -55,13 +68,43 @@ class ModelSpec:
     loss: LossFn | str = "raytrain_dt.models.llama:next_token_loss"
     # Token ids the model embeds; the data's ids must stay below it.
     vocab_size: int | None = None
+    # (options, name, owning module) -> `ParamInit`: how each parameter starts, by its name in
+    # the unsharded model (see `models.materialize`).
+    param_init: Callable[..., ParamInit] | str = "raytrain_dt.models.llama:llama_param_init"
+    # A directory whose weights the model starts from (`model.hf` with weights).
+    weights_dir: str | None = None
 
-    def build(self, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> nn.Module:
-        """The full model, initialised identically on every rank from `seed`; "meta" builds the
-        structure without memory (for inspection and planning)."""
-        with torch.random.fork_rng(devices=[]), torch.device(device):
-            torch.manual_seed(seed)
+    def build(
+        self,
+        max_seq_len: int,
+        seed: int,
+        device: str | torch.device = "cpu",
+        weights: WeightSource | None = None,
+    ) -> nn.Module:
+        """The full model in this process, with the weights every layout starts from
+        (`weights`, else `initial_weights(self, seed)`); "meta" builds the structure without
+        memory (for inspection and planning)."""
+        if torch.device(device).type == "meta":
+            with torch.device("meta"):
+                return resolve(self.factory)(self.options, max_seq_len)
+        model = self.skeleton(max_seq_len)
+        materialize(model, device, weights or initial_weights(self, seed))
+        return model
+
+    def skeleton(self, max_seq_len: int) -> nn.Module:
+        """The model with its parameters on the meta device (no memory) and its buffers
+        computed on the host: what ranks cut, shard, then `materialize`."""
+        with torch.device("cpu"), parameters_on_meta():
             return resolve(self.factory)(self.options, max_seq_len)
+
+    def instantiate(self, max_seq_len: int) -> nn.Module:
+        """The factory's model under whatever construction context the caller set up
+        (DeepSpeed's `zero.Init`, which partitions each module as it is built)."""
+        return resolve(self.factory)(self.options, max_seq_len)
+
+    def init_rule(self, name: str, module: nn.Module) -> ParamInit:
+        """How the parameter `name` (unsharded model), held by `module`, is initialised."""
+        return resolve(self.param_init)(self.options, name, module)
 
     def blocks(self, model: nn.Module) -> nn.ModuleDict:
         return model.get_submodule(self.parts.blocks)

@@ -81,7 +81,7 @@ class RunRecorder:
         self.events = JsonlLog(run_dir / "events.jsonl")
         self._pending_ids: dict[int, dict[int, list[int]]] = {}
         self._pending_steps: dict[int, dict] = {}
-        self._pending_memory: dict[int, dict[int, tuple[int, int]]] = {}
+        self._pending_memory: dict[int, dict[int, tuple]] = {}
         self.last_metrics: dict = {}
         self.event("session", resumed_step=resumed_step)
         self._record_rewind(resumed_step, dropped)
@@ -116,6 +116,21 @@ class RunRecorder:
         self._each_sink("on_event", record)
         self.recovery.on_event(record)
 
+    def model_built(self, rank_setup: list[dict]) -> None:
+        """The `model_built` event of a formation: the ranks' host memory after building the
+        model (`rank_setup`, in rank order, as `RankWorker.setup` returns it): the max over
+        ranks of the peak, and per rank the idle actor's RSS and the peak since."""
+        peaks = [r.get("host_rss_peak_bytes") for r in rank_setup]
+        if any(p is None for p in peaks):
+            return  # ranks that do not measure (test fakes)
+        self.event(
+            "model_built",
+            host_rss_peak_bytes=max(peaks),
+            rank_host_rss_peak_bytes=peaks,
+            rank_host_rss_idle_bytes=[r["host_rss_idle_bytes"] for r in rank_setup],
+            model_build_s=max(r["model_build_s"] for r in rank_setup),
+        )
+
     def step_metrics(self, record: dict, world_size: int, layout: str) -> None:
         """Rank 0's metrics for a step; the line waits for every rank's memory."""
         out = {k: record[k] for k in STEP_FIELDS if k in record}
@@ -129,7 +144,8 @@ class RunRecorder:
     def rank_step(self, rank: int, report: dict) -> None:
         """Any rank's step report: its memory joins the step's line."""
         if "mem_allocated_bytes" in report:
-            memory = (report["mem_allocated_bytes"], report["mem_peak_bytes"])
+            host = report.get("host_rss_peak_bytes")
+            memory = (report["mem_allocated_bytes"], report["mem_peak_bytes"], host)
             self._pending_memory.setdefault(report["step"], {})[rank] = memory
             self._flush()
 
@@ -145,6 +161,9 @@ class RunRecorder:
                                           for r in range(out["world_size"])]  # fmt: skip
             out["mem_peak_bytes"] = [memory.get(r, (None, None))[1]
                                      for r in range(out["world_size"])]  # fmt: skip
+            host = [m[2] for m in memory.values() if m[2] is not None]
+            if host:  # the host's high-water mark, whatever the compute device: max over ranks
+                out["host_rss_peak_bytes"] = max(host)
             self.metrics.write(out)
             self.last_metrics = out
             del self._pending_steps[step]

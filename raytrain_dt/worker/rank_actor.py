@@ -26,16 +26,18 @@ import torch.distributed as dist
 
 from raytrain_dt.accel.device import (
     accelerator_name,
+    host_memory,
     memory_usage,
     ray_accelerator_index,
     release_accelerator_memory,
+    reset_host_peak,
     select_device,
 )
 from raytrain_dt.checkpoint.digests import verify_files
-from raytrain_dt.checkpoint.initial import load_initial_weights
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.engines.factory import build_engine
+from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.worker.checkpointing import RankCheckpointer
@@ -148,6 +150,10 @@ class RankWorker:
 
     def _build(self, spec: RankSpec) -> dict:
         timings: dict[str, float] = {}
+        # Host memory of the idle actor (torch imported), and the peak from here on: this
+        # layout's own (a reused actor's earlier layouts do not count).
+        reset_host_peak()
+        idle_rss = host_memory()["host_rss_bytes"]
         t0 = time.perf_counter()
         # The accelerator Ray assigned this actor, not one guessed from the rank.
         device = select_device(spec.cfg.engine.precision, spec.cfg.cluster.device,
@@ -171,17 +177,22 @@ class RankWorker:
 
         t1 = time.perf_counter()
         model_spec = spec.model or llama_spec(spec.shape)
-        model = model_spec.build(spec.cfg.data.seq_len, spec.cfg.run.seed)
-        self._tensor_shapes = tensor_shapes(model.state_dict())  # for the checkpoint record
-        if spec.cfg.model.init_from and not spec.resume_from:  # a checkpoint wins over it
-            load_initial_weights(model, spec.cfg.model.init_from)
-        self.engine = build_engine(model, spec.cfg, spec.layout, mesh, device, model_spec)
+        # For the checkpoint record: the full model's shapes, from its structure alone.
+        meta = model_spec.build(spec.cfg.data.seq_len, spec.cfg.run.seed, device="meta")
+        self._tensor_shapes = tensor_shapes(meta.state_dict())
+        init_from = None if spec.resume_from else spec.cfg.model.init_from  # a checkpoint wins
+        weights = initial_weights(model_spec, spec.cfg.run.seed, init_from)
+        # The engine materializes only this rank's shards (`models.materialize`).
+        self.engine = build_engine(model_spec, spec.cfg, spec.layout, mesh, device, weights)
         self.checkpointer = RankCheckpointer(
             self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save, device,
             die_while_saving=[a.at_step for a in spec.cfg.chaos
                               if a.action == "kill_rank_mid_save" and a.target == spec.rank],
         )  # fmt: skip
         timings["model_build_s"] = time.perf_counter() - t1
+        # Reported in the `model_built` event (what building the model cost in host memory).
+        peak_rss = host_memory()["host_rss_peak_bytes"]
+        timings.update(host_rss_idle_bytes=idle_rss, host_rss_peak_bytes=peak_rss)
         t_load = time.perf_counter()
         if spec.resume_from:
             self.engine.load(spec.resume_from)

@@ -45,6 +45,8 @@ class Job:
     # Fault injection: the step's loss reduced from a host tensor, as the engines once did (a
     # GPU collective must refuse it).
     host_loss: bool = False
+    # model.init_from: the initial weights' Hugging Face directory (each rank reads its slices).
+    init_from: str | None = None
 
 
 @dataclass
@@ -74,6 +76,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
     from raytrain_dt.data.order import rank_rows, sample_ids
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
+    from raytrain_dt.models.materialize import initial_weights
     from raytrain_dt.models.spec import model_spec
 
     cfg, layout = job.cfg, job.layout
@@ -91,8 +94,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
     try:
         mesh = dims.build_mesh(device.device_type)
         spec = model_spec(cfg)  # our preset, or `model.hf`
-        model = spec.build(cfg.data.seq_len, cfg.run.seed)
-        engine = build_engine(model, cfg, layout, mesh, device, spec)
+        weights = initial_weights(spec, cfg.run.seed, job.init_from)
+        engine = build_engine(spec, cfg, layout, mesh, device, weights)
         if job.host_loss:  # the engines' old bug: the step's loss summed in a host tensor
             micro_steps = engine._micro_steps
             engine._micro_steps = lambda *args: micro_steps(*args).cpu()
@@ -133,7 +136,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
             engine.save(job.checkpoint_dir)
             dist.barrier()
             keys = _checkpoint_keys(job.checkpoint_dir)
-        del engine, model
+        del engine
         return JobResult(losses, params if rank == 0 else {}, keys, staged_pinned, param_device,
                          staged_bytes)  # fmt: skip
     finally:

@@ -247,6 +247,69 @@ def test_invalid_pipeline_layouts_name_the_key(changes, key):
         validate_pipeline(layout, n_layers=4, tie_embeddings=False)
 
 
+# Shards cut along every placement the engines use: uneven FSDP chunks (dp=3), HSDP, FSDP over
+# TP shards (strided), sequence parallelism, pipeline stages with and without TP, host offload.
+MATERIALIZED = ["fsdp2-full-dp3-padded", "hsdp-2x2", "dp2xtp2+sp", "pp2-interleaved", "pp2xtp2",
+                "fsdp2-full+offload"]  # fmt: skip
+
+
+@pytest.mark.parametrize("name", MATERIALIZED)
+def test_every_layout_starts_from_the_single_process_weights(pool, cfg, name):
+    """Ranks materialize only their shards, yet the model they hold together is exactly the one
+    `ModelSpec.build` makes in one process (the reference's initial weights)."""
+    from raytrain_dt.models.spec import model_spec
+
+    initial = model_spec(cfg).build(cfg.data.seq_len, cfg.run.seed).state_dict()
+    result = pool.run(cfg, LAYOUTS[name], 0)
+    assert result.params.keys() == initial.keys()
+    for key, value in initial.items():
+        torch.testing.assert_close(result.params[key], value, atol=0, rtol=0, msg=key)
+
+
+@pytest.fixture(scope="module")
+def hf_weights(cfg, tmp_path_factory):
+    """A Hugging Face-format directory (our consolidation's names and config.json) holding
+    weights no random init gives: the full model of another seed."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from raytrain_dt.checkpoint.export import hf_config, hf_name
+    from raytrain_dt.control.run_setup import model_shape
+    from raytrain_dt.models.llama import build_model
+
+    shape = model_shape(cfg)
+    model = build_model(shape, cfg.data.seq_len, seed=99)
+    path = tmp_path_factory.mktemp("init_from")
+    (path / "config.json").write_text(json.dumps(hf_config(shape, cfg.data.seq_len)))
+    save_file({hf_name(n): p.detach().clone() for n, p in model.named_parameters()},
+              path / "model.safetensors")  # fmt: skip
+    return str(path), model.state_dict()
+
+
+@pytest.mark.parametrize("name", ["fsdp2-full-dp3-padded", "dp2xtp2", "pp2xtp2"])
+def test_init_from_gives_each_rank_the_slices_it_holds(pool, cfg, hf_weights, name):
+    path, expected = hf_weights
+    result = pool.run(cfg, LAYOUTS[name], 0, init_from=path)
+    for key, value in expected.items():
+        torch.testing.assert_close(result.params[key], value, atol=0, rtol=0, msg=key)
+
+
+def test_deepspeed_zero3_builds_partitioned_and_equals_single_process(pool, cfg, reference):
+    """ZeRO-3 builds the model partitioned (`zero.Init`) and fills each rank's partitions:
+    it still trains exactly like the single-process reference."""
+    deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
+    _assert_equals_reference(pool.run(deepspeed, _layout(zero=3, dp_shard=2), STEPS), reference)
+
+
+def test_deepspeed_zero3_loads_init_from_partitions(pool, cfg, hf_weights):
+    path, expected = hf_weights
+    deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
+    result = pool.run(deepspeed, _padded(zero=3, dp_shard=3), 0, init_from=path)
+    for key, value in expected.items():
+        torch.testing.assert_close(result.params[key], value, atol=0, rtol=0, msg=key)
+
+
 def test_deepspeed_padded_layout_equals_single_process(pool, cfg, reference):
     """DeepSpeed ZeRO-2 on the padded 3-rank layout: DeepSpeed divides each micro-step's loss
     by the accumulation count and averages gradients over DP itself, and the padding-weighted

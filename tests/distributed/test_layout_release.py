@@ -55,9 +55,7 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=2, timeout=datetime.timedelta(seconds=60))  # fmt: skip
         mesh = layout.dims.build_mesh("cpu")
-        spec = model_spec(cfg)
-        model = spec.build(cfg.data.seq_len, cfg.run.seed)
-        worker.engine = build_engine(model, cfg, layout, mesh, select_device("fp32"), spec)
+        worker.engine = build_engine(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
         tokens = torch.randint(0, 256, (2, cfg.data.seq_len))  # any ids the vocabulary has
         worker.engine.train_step([tokens], 0, [torch.ones(2, dtype=torch.bool)])
         default = c10d._get_default_group()

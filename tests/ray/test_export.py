@@ -151,7 +151,7 @@ def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trai
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.checkpoint.convert import single_process_group
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
-    from raytrain_dt.models.llama import build_model
+    from raytrain_dt.models.spec import llama_spec
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
 
@@ -160,8 +160,8 @@ def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trai
     with single_process_group():
         layout = Layout(ParallelDims(world_size=1, dp_shard=1), 3, 1, 1)
         device = select_device("fp32")
-        model = build_model(model_shape(other), cfg.data.seq_len, seed=1)
-        engine = FSDP2Engine(model, other, layout, layout.dims.build_mesh("cpu"), device)
+        spec = llama_spec(model_shape(other))
+        engine = FSDP2Engine(spec, other, layout, layout.dims.build_mesh("cpu"), device)
         untouched = {k: v.full_tensor().clone() for k, v in engine.model.state_dict().items()}
         with pytest.raises(CheckpointError) as raised:
             engine.load(result.latest_checkpoint)

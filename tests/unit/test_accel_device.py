@@ -106,3 +106,21 @@ def test_mfu_peak_is_looked_up_by_the_device_name(emu):
     assert peak_flops_per_accelerator(accelerator_name(emu), None) == CPU_PEAK_FLOPS
     assert peak_flops_per_accelerator("NVIDIA H100 80GB HBM3", None) == 989e12
     assert peak_flops_per_accelerator("NVIDIA A100-SXM4-40GB", None) == 312e12
+
+
+def test_host_memory_peak_follows_the_rss_and_restarts_per_layout(emu):
+    """The host's high-water mark, on the CPU and on an accelerator alike; `reset_host_peak`
+    (each layout's build) restarts it at the current RSS."""
+    from raytrain_dt.accel.device import host_memory, reset_host_peak
+
+    assert reset_host_peak()
+    before = host_memory()["host_rss_bytes"]
+    block = torch.ones(64 << 20, dtype=torch.uint8)  # 64 MiB, touched
+    assert host_memory()["host_rss_bytes"] - before >= 60 << 20
+    del block  # a large block goes back to the OS at once
+    assert host_memory()["host_rss_bytes"] - before < 30 << 20
+    # The kernel's counters lag by a few pages: 60 of the 64 MiB is the bar.
+    assert host_memory()["host_rss_peak_bytes"] - before >= 60 << 20
+    assert memory_usage(emu)["host_rss_peak_bytes"] - before >= 60 << 20
+    assert reset_host_peak()
+    assert host_memory()["host_rss_peak_bytes"] - before < 30 << 20

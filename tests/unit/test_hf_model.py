@@ -84,7 +84,7 @@ def test_consolidated_checkpoint_fine_tunes_with_our_logits_at_step_0(tmp_path):
     consolidate(str(tmp_path / "ckpt"), tmp_path / "hf", shape, 32)
 
     spec = hf_spec(str(tmp_path / "hf"))  # weights present: loaded, not initialised
-    assert spec.options[2] is True and spec.shape == shape
+    assert spec.weights_dir == str(tmp_path / "hf") and spec.shape == shape
     theirs = spec.build(32, seed=0).eval()
     tokens = torch.randint(0, 256, (2, 32))
     with torch.no_grad():

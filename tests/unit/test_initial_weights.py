@@ -10,17 +10,14 @@ import torch
 from safetensors.torch import save_file
 
 from raytrain_dt.checkpoint.export import hf_config, hf_name
-from raytrain_dt.checkpoint.initial import (
-    SHAPE_FIELDS,
-    check_matches,
-    load_initial_weights,
-    model_overrides,
-)
+from raytrain_dt.checkpoint.initial import SHAPE_FIELDS, check_matches, model_overrides
 from raytrain_dt.config import load_config
 from raytrain_dt.control.run_setup import model_shape
 from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.llama import build_model
+from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.presets import PRESETS
+from raytrain_dt.models.spec import llama_spec
 
 
 def _write_hf_dir(path, model, shape, seq_len):
@@ -48,8 +45,8 @@ def test_a_hf_directory_loads_exactly_and_gives_the_shape(tmp_path, tied):
     overrides = model_overrides(tmp_path / "hf")
     assert model_shape(load_config("conf/test.yaml", overrides)) == shape
     check_matches(tmp_path / "hf", shape)
-    target = build_model(shape, 64, seed=8)
-    load_initial_weights(target, tmp_path / "hf")
+    spec = llama_spec(shape)
+    target = spec.build(64, seed=8, weights=initial_weights(spec, 8, str(tmp_path / "hf")))
     for (name, a), b in zip(source.state_dict().items(), target.state_dict().values()):
         torch.testing.assert_close(a, b, atol=0, rtol=0, msg=name)
 
