@@ -86,10 +86,12 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
 
     train_step(0)  # warm-up; creates the AdamW moments
     # What the train loop calls at a step boundary: it is blocked until `save` returns.
-    sync_ckpt = RankCheckpointer(engine, rank, report=lambda _: None, use_async=False,
-                                 device=device)  # fmt: skip
-    async_ckpt = RankCheckpointer(engine, rank, report=lambda _: None, use_async=True,
-                                  device=device)  # fmt: skip
+    sync_ckpt = RankCheckpointer(
+        engine, rank, report=lambda _: None, use_async=False, device=device
+    )
+    async_ckpt = RankCheckpointer(
+        engine, rank, report=lambda _: None, use_async=True, device=device
+    )
     sync, stall, async_total, plain_steps, overlapped_steps = [], [], [], [], []
     for i in range(repeats):
         dist.barrier()
@@ -312,14 +314,20 @@ def bench_hashing(scratch: Path, block: bytes, repeats: int) -> list[dict]:
                 digest.update(block)
             sha.append(time.perf_counter() - started)
         mb = total / 1e6
-        case = {"checkpoint": label, "repeats": repeats, "sha256_MBps": round(mb / min(sha)),
-                "plain_write_MBps": round(mb / min(plain)),
-                "hashed_write_MBps": round(mb / min(hashed)),
-                "hashed_over_plain_write_time": round(min(hashed) / min(plain), 2)}  # fmt: skip
+        case = {
+            "checkpoint": label,
+            "repeats": repeats,
+            "sha256_MBps": round(mb / min(sha)),
+            "plain_write_MBps": round(mb / min(plain)),
+            "hashed_write_MBps": round(mb / min(hashed)),
+            "hashed_over_plain_write_time": round(min(hashed) / min(plain), 2),
+        }
         cases.append(case)
-        print(f"ranks' write of {label}: {case['plain_write_MBps']} MB/s plain, "
-              f"{case['hashed_write_MBps']} MB/s hashed (sha256 alone {case['sha256_MBps']} "
-              f"MB/s), best of {repeats}")  # fmt: skip
+        print(
+            f"ranks' write of {label}: {case['plain_write_MBps']} MB/s plain, "
+            f"{case['hashed_write_MBps']} MB/s hashed (sha256 alone {case['sha256_MBps']} "
+            f"MB/s), best of {repeats}"
+        )
     return cases
 
 
@@ -358,17 +366,24 @@ def bench_commit(scratch: Path, repeats: int) -> list[dict]:
             driver_hash_s = time.perf_counter() - started
         shutil.rmtree(Location.parse(ref.uri).path.rsplit("/", 1)[0])
         median = statistics.median(times[label])
-        commits.append({"checkpoint": label,
-                        "bytes": sum(f["size"] for f in ref.record["files"].values()),
-                        "files": len(ref.record["files"]),
-                        "commit_median_ms": round(median * 1e3, 2),
-                        "commit_max_ms": round(max(times[label]) * 1e3, 2), "repeats": repeats,
-                        "driver_bytes_read": bytes_read[label],
-                        "driver_hashing_instead_s": round(driver_hash_s, 2),
-                        "driver_hashing_instead_bytes_read": hashed[0]})  # fmt: skip
-        print(f"commit {label}: median {median * 1e3:.2f} ms over {repeats}; checkpoint bytes "
-              f"the driver read: {bytes_read[label]} (hashing it there instead: "
-              f"{driver_hash_s:.2f} s)")  # fmt: skip
+        commits.append(
+            {
+                "checkpoint": label,
+                "bytes": sum(f["size"] for f in ref.record["files"].values()),
+                "files": len(ref.record["files"]),
+                "commit_median_ms": round(median * 1e3, 2),
+                "commit_max_ms": round(max(times[label]) * 1e3, 2),
+                "repeats": repeats,
+                "driver_bytes_read": bytes_read[label],
+                "driver_hashing_instead_s": round(driver_hash_s, 2),
+                "driver_hashing_instead_bytes_read": hashed[0],
+            }
+        )
+        print(
+            f"commit {label}: median {median * 1e3:.2f} ms over {repeats}; checkpoint bytes "
+            f"the driver read: {bytes_read[label]} (hashing it there instead: "
+            f"{driver_hash_s:.2f} s)"
+        )
     return commits
 
 
@@ -377,11 +392,15 @@ def commit_target_met(commits: list[dict]) -> bool:
     return max(medians) <= 2 * min(medians) and all(c["driver_bytes_read"] == 0 for c in commits)
 
 
-COMMIT_TABLE = ("Driver commit time by checkpoint size (target: largest median within 2x of the "
-                "smallest, 0 checkpoint bytes read)")  # fmt: skip
-HASHING_TABLE = ("Ranks' SHA-256 while writing: the same shards written and fsynced one after "
-                 "another (as DCP writes them), hashed on the way out or not; fastest of the "
-                 "repeats")  # fmt: skip
+COMMIT_TABLE = (
+    "Driver commit time by checkpoint size (target: largest median within 2x of the "
+    "smallest, 0 checkpoint bytes read)"
+)
+HASHING_TABLE = (
+    "Ranks' SHA-256 while writing: the same shards written and fsynced one after "
+    "another (as DCP writes them), hashed on the way out or not; fastest of the "
+    "repeats"
+)
 
 
 def bench_save_and_consolidate(tmp: Path, repeats: int) -> list[dict]:
@@ -391,37 +410,53 @@ def bench_save_and_consolidate(tmp: Path, repeats: int) -> list[dict]:
     save = bench_save(root, repeats)
     sync, stall = statistics.median(save["sync_s"]), statistics.median(save["stall_s"])
     ratio = stall / sync
-    cases.append({"case": "fsdp2 save, 2 ranks zero=3", "state_bytes": save["bytes"],
-                  "sync_save_median_s": round(sync, 3),
-                  "async_stall_median_s": round(stall, 3),
-                  "async_total_median_s": round(statistics.median(save["async_total_s"]), 3),
-                  "stall_over_sync": round(ratio, 3), "repeats": repeats,
-                  "train_step_median_s": round(statistics.median(save["step_s"]), 3),
-                  "train_step_after_async_save_median_s":
-                      round(statistics.median(save["step_during_write_s"]), 3),
-                  "sync_s": [round(x, 3) for x in save["sync_s"]],
-                  "stall_s": [round(x, 3) for x in save["stall_s"]]})  # fmt: skip
-    print(f"save {save['bytes'] / 1e6:.0f} MB: sync {sync:.3f} s, async stall {stall:.3f} s "
-          f"({ratio:.1%} of sync; target <= 10%); train step "
-          f"{statistics.median(save['step_s']):.3f} s, the step after an async save "
-          f"{statistics.median(save['step_during_write_s']):.3f} s")  # fmt: skip
+    cases.append(
+        {
+            "case": "fsdp2 save, 2 ranks zero=3",
+            "state_bytes": save["bytes"],
+            "sync_save_median_s": round(sync, 3),
+            "async_stall_median_s": round(stall, 3),
+            "async_total_median_s": round(statistics.median(save["async_total_s"]), 3),
+            "stall_over_sync": round(ratio, 3),
+            "repeats": repeats,
+            "train_step_median_s": round(statistics.median(save["step_s"]), 3),
+            "train_step_after_async_save_median_s": round(
+                statistics.median(save["step_during_write_s"]), 3
+            ),
+            "sync_s": [round(x, 3) for x in save["sync_s"]],
+            "stall_s": [round(x, 3) for x in save["stall_s"]],
+        }
+    )
+    print(
+        f"save {save['bytes'] / 1e6:.0f} MB: sync {sync:.3f} s, async stall {stall:.3f} s "
+        f"({ratio:.1%} of sync; target <= 10%); train step "
+        f"{statistics.median(save['step_s']):.3f} s, the step after an async save "
+        f"{statistics.median(save['step_during_write_s']):.3f} s"
+    )
     step_dir = root / "step_0"
     (root / "sync_0").rename(step_dir)
     cons = bench_consolidate(step_dir, Path(tmp) / "hf")
     extra = cons["peak_rss"] - cons["baseline_rss"]
-    cases.append({"case": "ckpt consolidate", "model_bytes": cons["model_bytes"],
-                  "peak_rss_bytes": cons["peak_rss"], "import_rss_bytes": cons["baseline_rss"],
-                  "rss_above_imports_bytes": extra,
-                  "rss_above_imports_over_model": round(extra / cons["model_bytes"], 3),
-                  "largest_tensor_bytes": cons["largest_tensor_bytes"],
-                  "rss_above_imports_over_largest_tensor":
-                      round(extra / cons["largest_tensor_bytes"], 3),
-                  "seconds": round(cons["seconds"], 2)})  # fmt: skip
-    print(f"consolidate {cons['model_bytes'] / 1e6:.0f} MB model: peak RSS "
-          f"{cons['peak_rss'] / 1e6:.0f} MB ({cons['baseline_rss'] / 1e6:.0f} MB imports, "
-          f"+{extra / 1e6:.0f} MB = {extra / cons['model_bytes']:.2f}x model, "
-          f"{extra / cons['largest_tensor_bytes']:.2f}x the largest tensor of "
-          f"{cons['largest_tensor_bytes'] / 1e6:.0f} MB)")  # fmt: skip
+    cases.append(
+        {
+            "case": "ckpt consolidate",
+            "model_bytes": cons["model_bytes"],
+            "peak_rss_bytes": cons["peak_rss"],
+            "import_rss_bytes": cons["baseline_rss"],
+            "rss_above_imports_bytes": extra,
+            "rss_above_imports_over_model": round(extra / cons["model_bytes"], 3),
+            "largest_tensor_bytes": cons["largest_tensor_bytes"],
+            "rss_above_imports_over_largest_tensor": round(extra / cons["largest_tensor_bytes"], 3),
+            "seconds": round(cons["seconds"], 2),
+        }
+    )
+    print(
+        f"consolidate {cons['model_bytes'] / 1e6:.0f} MB model: peak RSS "
+        f"{cons['peak_rss'] / 1e6:.0f} MB ({cons['baseline_rss'] / 1e6:.0f} MB imports, "
+        f"+{extra / 1e6:.0f} MB = {extra / cons['model_bytes']:.2f}x model, "
+        f"{extra / cons['largest_tensor_bytes']:.2f}x the largest tensor of "
+        f"{cons['largest_tensor_bytes'] / 1e6:.0f} MB)"
+    )
     return cases
 
 
@@ -430,8 +465,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--commit-repeats", type=int, default=41)
     parser.add_argument("--hash-repeats", type=int, default=3)
-    parser.add_argument("--parts", default="save,commit",
-                        help="save: (a) and (b); commit: (c)")  # fmt: skip
+    parser.add_argument("--parts", default="save,commit", help="save: (a) and (b); commit: (c)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
     args = parser.parse_args()
     parts = set(args.parts.split(","))
@@ -447,8 +481,10 @@ def main() -> int:
             commits = bench_commit(Path(tmp), args.commit_repeats)
             hashing = bench_hashing(Path(tmp), os.urandom(CHUNK), args.hash_repeats)
             met = commit_target_met(commits)
-            tables = [{"title": COMMIT_TABLE, "cases": commits},
-                      {"title": HASHING_TABLE, "cases": hashing}]  # fmt: skip
+            tables = [
+                {"title": COMMIT_TABLE, "cases": commits},
+                {"title": HASHING_TABLE, "cases": hashing},
+            ]
     record = {
         "title": "Checkpoint costs",
         "command": "python bench/bench_checkpoint.py",

@@ -39,9 +39,19 @@ INCIDENTS = [("rank death", {"at_step": 6, "action": "kill_rank", "target": 1}),
              ("node loss", {"at_step": 14, "action": "kill_node", "target": 3}),
              ("node arrival", {"at_step": 22, "action": "add_node"}),
              ("preemption with notice", {"at_step": 38, "action": "preempt_node", "target": 3})]  # fmt: skip
-BREAKDOWN = ("detection_s", "replan_s", "drain_s", "reform_s", "checkpoint_verify_s",
-             "model_build_s", "checkpoint_load_s", "warm_up_s", "data_start_s", "first_step_s",
-             "total_s")  # fmt: skip
+BREAKDOWN = (
+    "detection_s",
+    "replan_s",
+    "drain_s",
+    "reform_s",
+    "checkpoint_verify_s",
+    "model_build_s",
+    "checkpoint_load_s",
+    "warm_up_s",
+    "data_start_s",
+    "first_step_s",
+    "total_s",
+)
 TARGETS = {"rank death": "total < 5 s", "node arrival": "total < 5 s + one step",
            "preemption with notice": "0 lost steps"}  # fmt: skip
 

@@ -37,12 +37,30 @@ SEQ_LEN = 16
 GB = 1e9
 # name -> (model overrides, train one step)
 CASES = {
-    "100M": ({"dim": 768, "n_layers": 12, "n_heads": 12, "n_kv_heads": 12, "ffn_hidden": 2048,
-              "vocab_size": 8192}, True),
-    "400M": ({"dim": 1536, "n_layers": 14, "n_heads": 12, "n_kv_heads": 12, "ffn_hidden": 4096,
-              "vocab_size": 8192}, True),
+    "100M": (
+        {
+            "dim": 768,
+            "n_layers": 12,
+            "n_heads": 12,
+            "n_kv_heads": 12,
+            "ffn_hidden": 2048,
+            "vocab_size": 8192,
+        },
+        True,
+    ),
+    "400M": (
+        {
+            "dim": 1536,
+            "n_layers": 14,
+            "n_heads": 12,
+            "n_kv_heads": 12,
+            "ffn_hidden": 4096,
+            "vocab_size": 8192,
+        },
+        True,
+    ),
     "llama-1b": ({"preset": "llama-1b"}, False),
-}  # fmt: skip
+}
 
 
 def make_config(model: dict):
@@ -77,8 +95,9 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     layout = Layout(ParallelDims(world_size=WORLD, dp_shard=WORLD), 3, 1, 1)
-    engine = build_engine(model_spec(cfg), cfg, layout, layout.dims.build_mesh("cpu"),
-                          select_device("fp32"))  # fmt: skip
+    engine = build_engine(
+        model_spec(cfg), cfg, layout, layout.dims.build_mesh("cpu"), select_device("fp32")
+    )
     built = host_memory()["host_rss_peak_bytes"]
     build_s = time.perf_counter() - started
     stepped = None
@@ -150,10 +169,12 @@ def bench_case(name: str) -> dict:
         "old_4_ranks_total_gb": round(WORLD * whole / GB, 2),
         "status": "PASS" if build < full / 2 else "FAIL",
     }
-    print(f"{name}: {params / 1e6:.0f}M params ({full / GB:.2f} GB fp32): build +{build / GB:.3f} "
-          f"GB per rank ({build / full:.2f}x the model)"
-          + ("" if step is None else f", after a step +{step / GB:.3f} GB")
-          + f"; the whole model in one process +{whole / GB:.3f} GB  {row['status']}")  # fmt: skip
+    print(
+        f"{name}: {params / 1e6:.0f}M params ({full / GB:.2f} GB fp32): build +{build / GB:.3f} "
+        f"GB per rank ({build / full:.2f}x the model)"
+        + ("" if step is None else f", after a step +{step / GB:.3f} GB")
+        + f"; the whole model in one process +{whole / GB:.3f} GB  {row['status']}"
+    )
     return row
 
 

@@ -17,8 +17,12 @@ from raytrain_dt.worker.rank_actor import RankWorker
 
 
 def main() -> None:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
-             _temp_dir=tempfile.mkdtemp(prefix="rss_", dir="/tmp"))  # fmt: skip
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=tempfile.mkdtemp(prefix="rss_", dir="/tmp"),
+    )
     actor_cls = ray.remote(RankWorker)
     try:
         for index in range(2):
@@ -27,8 +31,10 @@ def main() -> None:
             ray.get(actor.warmed.remote())  # torch's lazy modules imported
             time.sleep(2)
             info = psutil.Process(pid).memory_full_info()
-            print(f"actor {index}: RSS {info.rss / 1e9:.2f} GB, USS {info.uss / 1e9:.2f} GB, "
-                  f"PSS {info.pss / 1e9:.2f} GB")  # fmt: skip
+            print(
+                f"actor {index}: RSS {info.rss / 1e9:.2f} GB, USS {info.uss / 1e9:.2f} GB, "
+                f"PSS {info.pss / 1e9:.2f} GB"
+            )
     finally:
         ray.shutdown()
 

@@ -129,8 +129,11 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
     p.set_defaults(func=cmd_ls)
     p = sub.add_parser("inspect", help="step, layout, engine, sizes, tensors, integrity")
     p.add_argument("path")
-    p.add_argument("--verify", action="store_true",
-                   help="read every file and check its SHA-256 against the commit record")  # fmt: skip
+    p.add_argument(
+        "--verify",
+        action="store_true",
+        help="read every file and check its SHA-256 against the commit record",
+    )
     p.set_defaults(func=cmd_inspect)
     p = sub.add_parser("consolidate", help="export to Hugging Face safetensors + config.json")
     p.add_argument("path", help="a run directory or a checkpoint directory")

@@ -112,8 +112,14 @@ def read_fsdp2(uri: str) -> tuple[FullState, float]:
     return state, steps.pop() if steps else 0.0
 
 
-def write_fsdp2(uri: str, state: FullState, step: float, shape: ModelShape, cfg: TrainConfig,
-                digests: FileDigests | None = None) -> None:  # fmt: skip
+def write_fsdp2(
+    uri: str,
+    state: FullState,
+    step: float,
+    shape: ModelShape,
+    cfg: TrainConfig,
+    digests: FileDigests | None = None,
+) -> None:
     """A DCP checkpoint with the keys FSDP2Engine saves (plain tensors: DCP reshards them);
     `digests` records the files written."""
     import torch.distributed.checkpoint as dcp
@@ -174,9 +180,15 @@ def read_deepspeed(uri: str, shape: ModelShape, cfg: TrainConfig, layout: Layout
     return state, steps.pop() if steps else 0.0
 
 
-def write_deepspeed(uri: str, state: FullState, step: float, shape: ModelShape,
-                    cfg: TrainConfig, layout: Layout,
-                    digests: FileDigests | None = None) -> None:  # fmt: skip
+def write_deepspeed(
+    uri: str,
+    state: FullState,
+    step: float,
+    shape: ModelShape,
+    cfg: TrainConfig,
+    layout: Layout,
+    digests: FileDigests | None = None,
+) -> None:
     """DeepSpeed's own checkpoint (`<uri>/ds`) of a 1-rank engine holding `state`; `digests`
     records the files written."""
     from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state

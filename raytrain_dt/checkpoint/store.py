@@ -89,8 +89,12 @@ class CheckpointStore:
             raise CheckpointError(f"{loc.uri}: not as the ranks reported: " + "; ".join(found))
         unreported = sorted(set(listed) - set(files) - {COMMIT_FILE})
         if unreported:  # leftovers of an earlier, failed save of this step: never loaded
-            log.warning("%s: %d files no rank reported writing are left out of the manifest: %s",
-                        loc.uri, len(unreported), ", ".join(unreported[:5]))  # fmt: skip
+            log.warning(
+                "%s: %d files no rank reported writing are left out of the manifest: %s",
+                loc.uri,
+                len(unreported),
+                ", ".join(unreported[:5]),
+            )
         record = {"step": step, "train_state": train_state, "files": dict(sorted(files.items()))}
         loc.child(COMMIT_FILE).write_json_atomic(record)
         self._damaged.pop(step, None)

@@ -20,9 +20,15 @@ log = logging.getLogger(__name__)
 
 
 class CheckpointTracker:
-    def __init__(self, store: CheckpointStore, world_size: int, recorder: RunRecorder,
-                 keep_last: int, keep_every: int,
-                 on_commit: Callable[[float, float], None] = lambda nbytes, write_s: None):  # fmt: skip
+    def __init__(
+        self,
+        store: CheckpointStore,
+        world_size: int,
+        recorder: RunRecorder,
+        keep_last: int,
+        keep_every: int,
+        on_commit: Callable[[float, float], None] = lambda nbytes, write_s: None,
+    ):
         """`on_commit(bytes, write_s)`: told each committed checkpoint's size and write time."""
         self.store = store
         self.on_commit = on_commit
@@ -59,8 +65,7 @@ class CheckpointTracker:
     def _fail(self, step: int, error: str) -> None:
         if step not in self._failed:
             self._failed.add(step)
-            log.warning("checkpoint step %d failed: %s (previous latest stays latest)",
-                        step, error)  # fmt: skip
+            log.warning("checkpoint step %d failed: %s (previous latest stays latest)", step, error)
             self.recorder.event("checkpoint_failed", step=step, error=error)
         self._forget(step)
 

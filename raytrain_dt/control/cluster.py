@@ -245,5 +245,10 @@ def planning_topology(
         host = cluster.host_memory_gb * 1e9
     else:  # the smallest node's `memory` resource (0 where Ray reports none: not checked)
         host = min(n.memory_bytes for n in nodes)
-    return dataclasses.replace(defaults, memory_per_accelerator=memory, peak_flops=peak,
-                               host_memory_per_node=host, device_memory_on_host=not on_gpu)  # fmt: skip
+    return dataclasses.replace(
+        defaults,
+        memory_per_accelerator=memory,
+        peak_flops=peak,
+        host_memory_per_node=host,
+        device_memory_on_host=not on_gpu,
+    )

@@ -132,8 +132,9 @@ class Coordinator(GroupRecovery):
                 # A device the cluster cannot give is refused before any work: preparing the
                 # default corpus takes minutes, packing user data needs Ray Data.
                 check_device_available(self.cfg.cluster)
-                self.dataset = open_dataset(self.cfg, self.user_dataset, self.tokenize,
-                                            self.shape.vocab_size)  # fmt: skip
+                self.dataset = open_dataset(
+                    self.cfg, self.user_dataset, self.tokenize, self.shape.vocab_size
+                )
                 return self._run(handle)
         finally:
             logging.getLogger("raytrain_dt").removeHandler(handler)
@@ -368,8 +369,9 @@ class Coordinator(GroupRecovery):
             return Finished(self.step)
         bound = self.deadlines.hang_bound(saving=bool(self.tracker.in_flight))
         if time.time() - self.last_progress > bound.seconds:
-            log.warning("no step completed for %.0fs (%s): the group is hung", bound.seconds,
-                        bound.detail)  # fmt: skip
+            log.warning(
+                "no step completed for %.0fs (%s): the group is hung", bound.seconds, bound.detail
+            )
             return self._on_failure("hung", [], bound)
         self._fire_node_chaos()
         if time.time() - self._last_cluster_check > CLUSTER_CHECK_INTERVAL_S:

@@ -46,8 +46,11 @@ class Bound:
 
     def fields(self) -> dict:
         """For events.jsonl."""
-        return {"bound_s": round(self.seconds, 3), "bound_basis": self.basis,
-                "bound_detail": self.detail}  # fmt: skip
+        return {
+            "bound_s": round(self.seconds, 3),
+            "bound_basis": self.basis,
+            "bound_detail": self.detail,
+        }
 
 
 def p99(samples: list[float]) -> float:
@@ -57,8 +60,13 @@ def p99(samples: list[float]) -> float:
 
 
 class Deadlines:
-    def __init__(self, hang_timeout_s: float, step_multiple: float, formation_timeout_s: float,
-                 assumed_write_bytes_per_s: float):  # fmt: skip
+    def __init__(
+        self,
+        hang_timeout_s: float,
+        step_multiple: float,
+        formation_timeout_s: float,
+        assumed_write_bytes_per_s: float,
+    ):
         self.floor_s = hang_timeout_s
         self.multiple = step_multiple
         self.formation_s = formation_timeout_s
@@ -75,12 +83,22 @@ class Deadlines:
     @classmethod
     def from_config(cls, cfg: TrainConfig) -> Deadlines:
         e = cfg.elastic
-        return cls(e.hang_timeout_s, e.hang_step_multiple, e.formation_timeout_s,
-                   cfg.checkpoint.assumed_write_gbps * 1e9)  # fmt: skip
+        return cls(
+            e.hang_timeout_s,
+            e.hang_step_multiple,
+            e.formation_timeout_s,
+            cfg.checkpoint.assumed_write_gbps * 1e9,
+        )
 
     # --- what the coordinator tells it -------------------------------------------------------
-    def formed(self, *, predicted_step_s: float | None, setup_s: float, world_size: int,
-               checkpoint_bytes: float) -> None:  # fmt: skip
+    def formed(
+        self,
+        *,
+        predicted_step_s: float | None,
+        setup_s: float,
+        world_size: int,
+        checkpoint_bytes: float,
+    ) -> None:
         """A layout was formed: its steps are timed afresh. `checkpoint_bytes`: the memory
         model's size of its checkpoint, used until a commit has measured one."""
         self.intervals.clear()
@@ -109,25 +127,37 @@ class Deadlines:
         flight."""
         if self.intervals:
             recent = p99(list(self.intervals))
-            bound = Bound(self.multiple * recent, "p99",
-                          f"{self.multiple:g} x p99 step {recent:.2f}s of the last "
-                          f"{len(self.intervals)} steps")  # fmt: skip
+            bound = Bound(
+                self.multiple * recent,
+                "p99",
+                f"{self.multiple:g} x p99 step {recent:.2f}s of the last "
+                f"{len(self.intervals)} steps",
+            )
         elif self.predicted_step_s is not None:
             first = self.multiple * FIRST_STEP_WARMUP * self.predicted_step_s + self.setup_s
-            bound = Bound(first, "plan",
-                          f"first steps: {self.multiple:g} x {FIRST_STEP_WARMUP:g} x planned step "
-                          f"{self.predicted_step_s:.2f}s + set-up {self.setup_s:.1f}s")  # fmt: skip
+            bound = Bound(
+                first,
+                "plan",
+                f"first steps: {self.multiple:g} x {FIRST_STEP_WARMUP:g} x planned step "
+                f"{self.predicted_step_s:.2f}s + set-up {self.setup_s:.1f}s",
+            )
         else:
             bound = Bound(
                 self.setup_s, "plan", f"first steps, no estimate: set-up {self.setup_s:.1f}s"
             )
         if bound.seconds < self.floor_s:
-            bound = Bound(self.floor_s, "hang_timeout_s",
-                          f"elastic.hang_timeout_s {self.floor_s:g}s ({bound.detail})")  # fmt: skip
+            bound = Bound(
+                self.floor_s,
+                "hang_timeout_s",
+                f"elastic.hang_timeout_s {self.floor_s:g}s ({bound.detail})",
+            )
         if saving:
             save = self.save_bound()
-            bound = Bound(bound.seconds + save.seconds, bound.basis,
-                          f"{bound.detail} + a save in flight {save.seconds:.1f}s")  # fmt: skip
+            bound = Bound(
+                bound.seconds + save.seconds,
+                bound.basis,
+                f"{bound.detail} + a save in flight {save.seconds:.1f}s",
+            )
         return bound
 
     def write_rate(self) -> tuple[float, str]:
@@ -143,16 +173,21 @@ class Deadlines:
         rate, source = self.write_rate()
         share = nbytes / max(1, world_size)
         seconds = SAVE_HEADROOM * share / rate + SAVE_FIXED_S
-        return Bound(seconds, basis,
-                     f"{SAVE_HEADROOM:g} x {share / 1e9:.2f} GB per rank at {rate / 1e9:.3g} GB/s "
-                     f"({source}) + {SAVE_FIXED_S:g}s")  # fmt: skip
+        return Bound(
+            seconds,
+            basis,
+            f"{SAVE_HEADROOM:g} x {share / 1e9:.2f} GB per rank at {rate / 1e9:.3g} GB/s "
+            f"({source}) + {SAVE_FIXED_S:g}s",
+        )
 
     def drain_bound(self, saving: bool = False) -> Bound:
         """Reaching the next step boundary (a save in flight included), then saving there."""
         step, save = self.hang_bound(saving), self.save_bound()
-        return Bound(step.seconds + save.seconds, "drain",
-                     f"step {step.seconds:.1f}s ({step.detail}) + save {save.seconds:.1f}s "
-                     f"({save.detail})")  # fmt: skip
+        return Bound(
+            step.seconds + save.seconds,
+            "drain",
+            f"step {step.seconds:.1f}s ({step.detail}) + save {save.seconds:.1f}s ({save.detail})",
+        )
 
     def formation_bound(self, world_size: int, resuming: bool, checkpoint_bytes: float) -> Bound:
         """Placement, actor start, process group, build, and when `resuming` the load of the
@@ -162,5 +197,8 @@ class Deadlines:
             return Bound(self.formation_s, "formation", detail)
         size = self.checkpoint_bytes if self.measured_size else checkpoint_bytes
         load = self._transfer_bound(size, world_size, "load")
-        return Bound(self.formation_s + load.seconds, "formation",
-                     f"{detail} + load {load.seconds:.1f}s ({load.detail})")  # fmt: skip
+        return Bound(
+            self.formation_s + load.seconds,
+            "formation",
+            f"{detail} + load {load.seconds:.1f}s ({load.detail})",
+        )

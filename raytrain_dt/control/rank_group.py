@@ -148,8 +148,9 @@ class RankGroup:
                                          bundle_index, time.time()))  # fmt: skip
         return started
 
-    def _create_on_node(self, node_id: str, count: int, timeout_s: float,
-                        start_timeout_s: float | None = None) -> list[ActorSlot]:  # fmt: skip
+    def _create_on_node(
+        self, node_id: str, count: int, timeout_s: float, start_timeout_s: float | None = None
+    ) -> list[ActorSlot]:
         """Start actors on the node and wait for them; a TimeoutError (Ray's GetTimeoutError)
         once they have not all started within `start_timeout_s`."""
         import ray
@@ -209,8 +210,9 @@ class RankGroup:
             self.starting = [a for a in self.starting if a not in doomed]
             self._release(doomed)
 
-    def form(self, counts_by_node: dict[str, int], timeout_s: float,
-             start_timeout_s: float | None = None) -> None:  # fmt: skip
+    def form(
+        self, counts_by_node: dict[str, int], timeout_s: float, start_timeout_s: float | None = None
+    ) -> None:
         """Have exactly counts_by_node[node] actors on each node: keep survivors, create the
         missing ones, release the rest. Then order slots by rank. `timeout_s`: for placement;
         `start_timeout_s`: for the new actors to start (a TimeoutError past it)."""
@@ -226,8 +228,7 @@ class RankGroup:
                 spare.remove(slot)
             keep += here
             if count > len(here):
-                keep += self._create_on_node(node_id, count - len(here), timeout_s,
-                                             start_timeout_s)  # fmt: skip
+                keep += self._create_on_node(node_id, count - len(here), timeout_s, start_timeout_s)
         reports = [{"node_id": s.node_id, "actor_index": s.actor_index} for s in keep]
         ranks = assign_ranks(reports)
         self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]

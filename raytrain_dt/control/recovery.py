@@ -58,11 +58,13 @@ class GroupRecovery:
         except ValueError:  # capacity went since the decision (a node, an actor): re-plan
             log.warning("no room for %s any more: re-planning", decision.layout.describe())
             return self._decide(self._observe("failed" if isinstance(state, Restarting) else "ok"))
-        planned_bytes = planned_checkpoint_bytes(self.cfg, self.shape, decision.layout,
-                                                 self.resource == "GPU")  # fmt: skip
+        planned_bytes = planned_checkpoint_bytes(
+            self.cfg, self.shape, decision.layout, self.resource == "GPU"
+        )
         will_load = self._resume_point()[0] is not None  # metadata only: verified once formed
-        bound = self.deadlines.formation_bound(decision.layout.dims.world_size, will_load,
-                                               planned_bytes)  # fmt: skip
+        bound = self.deadlines.formation_bound(
+            decision.layout.dims.world_size, will_load, planned_bytes
+        )
         forming = time.perf_counter()  # the deadline's clock: after the old layout has left
 
         def remaining_s() -> float:
@@ -81,8 +83,16 @@ class GroupRecovery:
             # reaches them (they may have waited for an arrival to be in use).
             self.chaos.mark_rank_faults_fired(resume_step)
             cfg = replace(self.cfg, chaos=self.chaos.remaining())
-            specs = rank_specs(cfg, self.shape, decision.layout, self.dataset, self.group.master_endpoint(),
-                               self.checkpoint_root, resume, self.model_spec)  # fmt: skip
+            specs = rank_specs(
+                cfg,
+                self.shape,
+                decision.layout,
+                self.dataset,
+                self.group.master_endpoint(),
+                self.checkpoint_root,
+                resume,
+                self.model_spec,
+            )
             setup = self.group.call("setup", [(s,) for s in specs], timeout_s=remaining_s())
         except TimeoutError as exc:
             return self._formation_timed_out(decision, bound, exc)
@@ -90,19 +100,33 @@ class GroupRecovery:
         self.formed = True
         self.step = resume_step
         self.bar.n = resume_step
-        self.tracker = CheckpointTracker(self.store, decision.layout.dims.world_size, self.recorder,
-                                         self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every,
-                                         self.deadlines.checkpoint_committed)  # fmt: skip
+        self.tracker = CheckpointTracker(
+            self.store,
+            decision.layout.dims.world_size,
+            self.recorder,
+            self.cfg.checkpoint.keep_last,
+            self.cfg.checkpoint.keep_every,
+            self.deadlines.checkpoint_committed,
+        )
         self.last_progress = self.last_formed_at = time.time()
         plan = self._last_plan  # the decision's layout is the best of the latest plan
         predicted = (
             plan.best.step_time.total_s if plan and plan.best.layout == decision.layout else None
         )
-        self.deadlines.formed(predicted_step_s=predicted, setup_s=time.perf_counter() - formed,
-                              world_size=decision.layout.dims.world_size,
-                              checkpoint_bytes=planned_bytes)  # fmt: skip
-        self.timings.append({"kind": type(state).__name__.lower(), "form_s": formed - started,
-                             "setup_s": time.perf_counter() - verified, "ranks": setup})  # fmt: skip
+        self.deadlines.formed(
+            predicted_step_s=predicted,
+            setup_s=time.perf_counter() - formed,
+            world_size=decision.layout.dims.world_size,
+            checkpoint_bytes=planned_bytes,
+        )
+        self.timings.append(
+            {
+                "kind": type(state).__name__.lower(),
+                "form_s": formed - started,
+                "setup_s": time.perf_counter() - verified,
+                "ranks": setup,
+            }
+        )
         (self.run_dir / "layout.json").write_text(json.dumps(decision.layout.as_dict(), indent=2))
         if self._last_plan is not None:
             (self.run_dir / "plan.json").write_text(json.dumps(self._last_plan.to_json(), indent=2))
@@ -126,10 +150,13 @@ class GroupRecovery:
     def _formation_timed_out(self, decision: Resize, bound: Bound, exc: TimeoutError) -> State:
         """The formation missed its deadline. The run stops with its checkpoints intact and
         the reason; this is the one place a retry elsewhere would go."""
-        reason = (f"elastic.formation_timeout_s: forming {decision.layout.describe()} took more "
-                  f"than {bound.seconds:.0f}s ({bound.detail}): {exc}")  # fmt: skip
-        self.recorder.event("failure", health="formation_timeout", step=self.step, ranks={},
-                            **bound.fields())  # fmt: skip
+        reason = (
+            f"elastic.formation_timeout_s: forming {decision.layout.describe()} took more "
+            f"than {bound.seconds:.0f}s ({bound.detail}): {exc}"
+        )
+        self.recorder.event(
+            "failure", health="formation_timeout", step=self.step, ranks={}, **bound.fields()
+        )
         log.error("%s", reason)
         return Failed(reason)
 
@@ -144,14 +171,16 @@ class GroupRecovery:
             if ref is None:
                 return ref, step
             shares = verification_shares(ref.record["files"], self.group.world_size)
-            answers = self.group.call("verify_checkpoint", [(ref.uri, share) for share in shares],
-                                      timeout_s=remaining_s())  # fmt: skip
+            answers = self.group.call(
+                "verify_checkpoint", [(ref.uri, share) for share in shares], timeout_s=remaining_s()
+            )
             problems = [line for answer in answers for line in answer]
             if not problems:
                 return ref, step
             self.store.mark_damaged(ref, problems)
-            self.recorder.event("checkpoint_damaged", step=ref.step, path=ref.uri,
-                                problems=problems)  # fmt: skip
+            self.recorder.event(
+                "checkpoint_damaged", step=ref.step, path=ref.uri, problems=problems
+            )
 
     def _leave_layout(self, grace_s: float = 2.0) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports
@@ -283,8 +312,9 @@ class GroupRecovery:
         deadline = time.time() + bound.seconds
         while True:
             if time.time() > deadline:
-                log.warning("no drain within %.0fs (%s): the group is hung", bound.seconds,
-                            bound.detail)  # fmt: skip
+                log.warning(
+                    "no drain within %.0fs (%s): the group is hung", bound.seconds, bound.detail
+                )
                 return self._on_failure("hung", [], bound)
             statuses = self.group.poll()
             self._handle_reports(statuses)

@@ -121,11 +121,16 @@ def plan_for_nodes(cfg: TrainConfig, shape: ModelShape, resource: str,
         return None
 
 
-def planned_checkpoint_bytes(cfg: TrainConfig, shape: ModelShape, layout: Layout,
-                             on_gpu: bool) -> float:  # fmt: skip
+def planned_checkpoint_bytes(
+    cfg: TrainConfig, shape: ModelShape, layout: Layout, on_gpu: bool
+) -> float:
     """The memory model's size of this run's checkpoint at `layout` (before one is measured)."""
-    return checkpoint_bytes(shape, engine=cfg.engine.name, zero_stage=layout.zero_stage,
-                            precision=resolve_precision(cfg.engine.precision, on_gpu))  # fmt: skip
+    return checkpoint_bytes(
+        shape,
+        engine=cfg.engine.name,
+        zero_stage=layout.zero_stage,
+        precision=resolve_precision(cfg.engine.precision, on_gpu),
+    )
 
 
 def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: TokenDataset,

@@ -40,8 +40,9 @@ MODEL_STATES = "mp_rank_{stage:02d}_model_states.pt"
 
 
 @contextlib.contextmanager
-def recording_saves(ds_engine, step_dir: Path, digests: FileDigests,
-                    writes_side_files: bool) -> Iterator[None]:  # fmt: skip
+def recording_saves(
+    ds_engine, step_dir: Path, digests: FileDigests, writes_side_files: bool
+) -> Iterator[None]:
     """While DeepSpeed's `save_checkpoint(step_dir, ...)` runs inside: record in `digests`
     (names relative to `step_dir`) every file this rank's checkpoint engine writes, and on
     exit, where `writes_side_files` (global rank 0), the files beside the tag directory."""

@@ -213,11 +213,14 @@ class FSDP2Engine:
         """`digests`: records each file this rank writes, hashed as written. `storage_writer`
         replaces the default one for `checkpoint_dir` (fault injection)."""
         model_sd, optim_sd = self._state_dicts()
-        dcp.save({"model": model_sd, "optim": optim_sd},
-                 storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests))  # fmt: skip
+        dcp.save(
+            {"model": model_sd, "optim": optim_sd},
+            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
+        )
 
-    def save_async(self, checkpoint_dir: str, process_group, storage_writer=None,
-                   digests=None) -> Future:  # fmt: skip
+    def save_async(
+        self, checkpoint_dir: str, process_group, storage_writer=None, digests=None
+    ) -> Future:
         """Save in the background; returns the future of the write.
 
         Training is blocked only while the state dict is gathered: the shards are copied into

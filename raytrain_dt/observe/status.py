@@ -20,8 +20,18 @@ NAMESPACE = "raytrain_dt"
 KEY_PREFIX = "status:"
 STEP_PUBLISH_INTERVAL_S = 1.0
 # Events the status shows as "last event": what changed, not routine bookkeeping.
-NOTABLE = {"decision", "failure", "preemption_notice", "resize", "start", "drained",
-           "checkpoint", "checkpoint_failed", "checkpoint_damaged", "recovery"}  # fmt: skip
+NOTABLE = {
+    "decision",
+    "failure",
+    "preemption_notice",
+    "resize",
+    "start",
+    "drained",
+    "checkpoint",
+    "checkpoint_failed",
+    "checkpoint_damaged",
+    "recovery",
+}
 
 
 def _kv():

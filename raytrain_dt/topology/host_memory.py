@@ -57,8 +57,12 @@ class HostMemoryEstimate:
         return self.offload + self.staging + self.device + self.process
 
     def describe(self) -> str:
-        parts = [("offload", self.offload), ("checkpoint staging", self.staging),
-                 ("device memory", self.device), ("process", self.process)]  # fmt: skip
+        parts = [
+            ("offload", self.offload),
+            ("checkpoint staging", self.staging),
+            ("device memory", self.device),
+            ("process", self.process),
+        ]
         return ", ".join(f"{name} {value / GB:.1f}" for name, value in parts if value)
 
 
@@ -91,9 +95,15 @@ def offloaded_bytes(
     if not layout.offload_optimizer:
         return 0.0
     d = layout.dims
-    params, grads, optimizer = model_state_bytes(shape, tp=d.tp, pp=d.pp, shard=d.dp_shard,
-                                                 zero_stage=layout.zero_stage,
-                                                 precision=precision, engine=engine)  # fmt: skip
+    params, grads, optimizer = model_state_bytes(
+        shape,
+        tp=d.tp,
+        pp=d.pp,
+        shard=d.dp_shard,
+        zero_stage=layout.zero_stage,
+        precision=precision,
+        engine=engine,
+    )
     if engine == "fsdp2":  # CPUOffloadPolicy: parameter, gradient and optimizer shards
         return params + grads + optimizer
     # ZeRO-Offload: fp32 master and Adam moments, and the fp32 gradient partition they step on.
@@ -142,8 +152,15 @@ def host_bytes_per_node(
     accelerators' memory is host RAM (`Topology.device_memory_on_host`) it counts too."""
     device = 0.0
     if topology.device_memory_on_host:
-        device = estimate_memory(shape, layout, seq_len=seq_len, precision=precision,
-                                 margin=margin, engine=engine).total  # fmt: skip
-    rank = host_bytes_per_rank(shape, layout, engine=engine, precision=precision,
-                               async_save=async_save, device_bytes=device)  # fmt: skip
+        device = estimate_memory(
+            shape, layout, seq_len=seq_len, precision=precision, margin=margin, engine=engine
+        ).total
+    rank = host_bytes_per_rank(
+        shape,
+        layout,
+        engine=engine,
+        precision=precision,
+        async_save=async_save,
+        device_bytes=device,
+    )
     return ranks_per_node(layout, topology) * rank.total

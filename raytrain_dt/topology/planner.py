@@ -203,8 +203,14 @@ def _host_need(
     shape, layout: Layout, memory: MemoryEstimate, topo: Topology, o: _Opts
 ) -> _HostNeed:
     device = memory.total if topo.device_memory_on_host else 0.0
-    rank = host_bytes_per_rank(shape, layout, engine=o.engine, precision=o.precision,
-                               async_save=o.async_save, device_bytes=device)  # fmt: skip
+    rank = host_bytes_per_rank(
+        shape,
+        layout,
+        engine=o.engine,
+        precision=o.precision,
+        async_save=o.async_save,
+        device_bytes=device,
+    )
     return _HostNeed(layout, rank, ranks_per_node(layout, topo))
 
 
@@ -364,8 +370,9 @@ def plan(
     if not fitting and pins.offload_optimizer is None:
         # Offload is the last resort: the model prices PCIe, CPU Adam and host memory but
         # not CPU contention, so it is only offered when nothing fits without it.
-        fitting, leanest, offload_miss = _search(shape, topology, pins, cells, opts,
-                                                 allow_offload=True)  # fmt: skip
+        fitting, leanest, offload_miss = _search(
+            shape, topology, pins, cells, opts, allow_offload=True
+        )
         host_miss = _leaner(host_miss, offload_miss)
     if not fitting and host_miss is not None:
         raise PlanningError(_host_refusal(shape, topology, host_miss))

@@ -99,8 +99,9 @@ class RankCheckpointer:
             {"kind": "checkpoint_staged", "step": step, "stall_s": time.perf_counter() - started}
         )
 
-    def _finished(self, step: int, uri: str, future: Future, reported: threading.Event,
-                  written: FileDigests) -> None:  # fmt: skip
+    def _finished(
+        self, step: int, uri: str, future: Future, reported: threading.Event, written: FileDigests
+    ) -> None:
         exc = future.exception()
         if exc is None:
             self._saved(step, uri, written)
@@ -109,8 +110,15 @@ class RankCheckpointer:
         reported.set()
 
     def _saved(self, step: int, uri: str, written: FileDigests) -> None:
-        self.report({"kind": "saved", "step": step, "rank": self.rank, "path": uri,
-                     "files": written.manifest()})  # fmt: skip
+        self.report(
+            {
+                "kind": "saved",
+                "step": step,
+                "rank": self.rank,
+                "path": uri,
+                "files": written.manifest(),
+            }
+        )
 
     def _failed(self, step: int, uri: str, exc: BaseException) -> None:
         message = f"{uri}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"

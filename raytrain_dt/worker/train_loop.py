@@ -62,8 +62,12 @@ def run_loop(
         step_time = time.perf_counter() - started
         consumed += spec.global_batch
         # `finished_at`: the driver times steps by it (hang deadlines), free of its polling.
-        record: dict = {"kind": "step", "step": step + 1, "consumed_samples": consumed,
-                        "finished_at": time.time()}  # fmt: skip
+        record: dict = {
+            "kind": "step",
+            "step": step + 1,
+            "consumed_samples": consumed,
+            "finished_at": time.time(),
+        }
         record.update(measure_memory())
         if spec.report_metrics:
             record.update(

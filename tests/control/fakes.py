@@ -62,8 +62,9 @@ class FakeRankGroup:
         return len(self.slots)
 
     # --- what the coordinator calls ----------------------------------------------------------
-    def form(self, counts_by_node: dict[str, int], timeout_s: float,
-             start_timeout_s: float | None = None) -> None:  # fmt: skip
+    def form(
+        self, counts_by_node: dict[str, int], timeout_s: float, start_timeout_s: float | None = None
+    ) -> None:
         self.collect_warm()
         kept = [s for s in self.slots + self.idle if s.state != "dead"]
         self.slots = []
@@ -189,5 +190,6 @@ class FakeRankGroup:
             shard = f"shard_{rank}.bin"
             (step_dir / shard).write_bytes(b"x" * (rank + 1))
             written.add_bytes(shard, b"x" * (rank + 1))
-            reports[rank].append({"kind": "saved", "step": self.step, "rank": rank,
-                                  "files": written.manifest()})  # fmt: skip
+            reports[rank].append(
+                {"kind": "saved", "step": self.step, "rank": rank, "files": written.manifest()}
+            )

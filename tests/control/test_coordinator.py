@@ -225,8 +225,9 @@ def test_new_capacity_is_used_once_stable(start):
 
 
 def test_a_hang_replaces_the_whole_group(start):
-    coordinator, _, group = start(("a", "b"), "elastic.hang_timeout_s=1",
-                                  "elastic.hang_step_multiple=1")  # fmt: skip
+    coordinator, _, group = start(
+        ("a", "b"), "elastic.hang_timeout_s=1", "elastic.hang_step_multiple=1"
+    )
     advance_until(coordinator, Running)
     train_to(coordinator, 4)
     group.hung = True

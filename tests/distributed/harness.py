@@ -137,8 +137,9 @@ def _run_job(rank: int, job: Job) -> JobResult:
             dist.barrier()
             keys = _checkpoint_keys(job.checkpoint_dir)
         del engine
-        return JobResult(losses, params if rank == 0 else {}, keys, staged_pinned, param_device,
-                         staged_bytes)  # fmt: skip
+        return JobResult(
+            losses, params if rank == 0 else {}, keys, staged_pinned, param_device, staged_bytes
+        )
     finally:
         dist.destroy_process_group()
 

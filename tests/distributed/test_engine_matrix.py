@@ -249,8 +249,14 @@ def test_invalid_pipeline_layouts_name_the_key(changes, key):
 
 # Shards cut along every placement the engines use: uneven FSDP chunks (dp=3), HSDP, FSDP over
 # TP shards (strided), sequence parallelism, pipeline stages with and without TP, host offload.
-MATERIALIZED = ["fsdp2-full-dp3-padded", "hsdp-2x2", "dp2xtp2+sp", "pp2-interleaved", "pp2xtp2",
-                "fsdp2-full+offload"]  # fmt: skip
+MATERIALIZED = [
+    "fsdp2-full-dp3-padded",
+    "hsdp-2x2",
+    "dp2xtp2+sp",
+    "pp2-interleaved",
+    "pp2xtp2",
+    "fsdp2-full+offload",
+]
 
 
 @pytest.mark.parametrize("name", MATERIALIZED)
@@ -282,8 +288,10 @@ def hf_weights(cfg, tmp_path_factory):
     model = build_model(shape, cfg.data.seq_len, seed=99)
     path = tmp_path_factory.mktemp("init_from")
     (path / "config.json").write_text(json.dumps(hf_config(shape, cfg.data.seq_len)))
-    save_file({hf_name(n): p.detach().clone() for n, p in model.named_parameters()},
-              path / "model.safetensors")  # fmt: skip
+    save_file(
+        {hf_name(n): p.detach().clone() for n, p in model.named_parameters()},
+        path / "model.safetensors",
+    )
     return str(path), model.state_dict()
 
 

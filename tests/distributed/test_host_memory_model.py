@@ -22,8 +22,11 @@ def _tensor_bytes(checkpoint_dir: str) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     entries = FileSystemReader(checkpoint_dir).read_metadata().state_dict_metadata.values()
-    return sum(math.prod(m.size) * m.properties.dtype.itemsize for m in entries
-               if isinstance(m, TensorStorageMetadata))  # fmt: skip
+    return sum(
+        math.prod(m.size) * m.properties.dtype.itemsize
+        for m in entries
+        if isinstance(m, TensorStorageMetadata)
+    )
 
 
 @pytest.mark.parametrize("name", ["ddp", "fsdp2-full"])

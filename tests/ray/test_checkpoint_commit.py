@@ -39,8 +39,7 @@ def test_damaged_newest_checkpoint_falls_back_and_training_continues_exactly(
     data[len(data) // 2] ^= 0xFF  # one flipped bit pattern in the middle: bit rot, same size
     shard.write_bytes(bytes(data))
     with file_reads_below(root) as reads:
-        result = train(make_config(*overrides, "resume=true", run_dir=run_dir),
-                       show_progress=False)  # fmt: skip
+        result = train(make_config(*overrides, "resume=true", run_dir=run_dir), show_progress=False)
     assert {name.rsplit("/", 1)[-1] for name in reads} == {"commit.json"}
     assert f"step_8/{shard.name}: checksum mismatch" in caplog.text
     events = read_jsonl(run_dir / "events.jsonl")

@@ -65,8 +65,12 @@ def test_resume_equals_uninterrupted_and_reshards(make_config, tmp_path):
     assert len(uninterrupted) == 6
     # Each rank hashed what DeepSpeed wrote for it (rank 0 also its side files): all of it.
     record = check_manifest(str(run_dir / "checkpoints" / "step_3"))
-    assert {"latest", "zero_to_fp32.py", "ds/mp_rank_00_model_states.pt",
-            "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt"} <= set(record["files"])  # fmt: skip
+    assert {
+        "latest",
+        "zero_to_fp32.py",
+        "ds/mp_rank_00_model_states.pt",
+        "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+    } <= set(record["files"])
 
     # Same layout: lose everything after step 3, as a crash between the two saves would.
     shutil.rmtree(run_dir / "checkpoints" / "step_6")

@@ -19,19 +19,31 @@ DELAY_S = 3 * FLOOR_S  # added to every step while the chaos is pending: 3x the 
 MULTIPLE = 5
 
 
-def test_slow_steps_are_no_hang_and_a_real_hang_is_caught_within_its_bound(ray_cluster,
-                                                                           make_config):  # fmt: skip
+def test_slow_steps_are_no_hang_and_a_real_hang_is_caught_within_its_bound(
+    ray_cluster, make_config
+):
     # A peak the planner's estimate of a step (its compute, at the default MFU) is the slowed
     # step with: the first steps are bounded by it, as a large model's are by its real one.
     cfg = make_config("trainer.steps=6", "checkpoint.every_steps=2")
     # Seconds at 1 FLOP/s of one rank's share of a step (2 data-parallel ranks).
-    flop_s = compute_s(model_shape(cfg), cfg.trainer.global_batch // 2, 1, Topology(1, 2, peak_flops=1.0),
-                       seq_len=cfg.data.seq_len, mfu=0.45)  # fmt: skip
+    flop_s = compute_s(
+        model_shape(cfg),
+        cfg.trainer.global_batch // 2,
+        1,
+        Topology(1, 2, peak_flops=1.0),
+        seq_len=cfg.data.seq_len,
+        mfu=0.45,
+    )
     peak_tflops = flop_s / DELAY_S / 1e12
-    cfg = make_config("trainer.steps=6", "checkpoint.every_steps=2",
-                      f"elastic.hang_timeout_s={FLOOR_S}", f"elastic.hang_step_multiple={MULTIPLE}",
-                      f"chaos_step_delay_s={DELAY_S}", f"cluster.peak_tflops={peak_tflops}",
-                      "chaos=[{at_step: 4, action: hang_rank, target: 1}]")  # fmt: skip
+    cfg = make_config(
+        "trainer.steps=6",
+        "checkpoint.every_steps=2",
+        f"elastic.hang_timeout_s={FLOOR_S}",
+        f"elastic.hang_step_multiple={MULTIPLE}",
+        f"chaos_step_delay_s={DELAY_S}",
+        f"cluster.peak_tflops={peak_tflops}",
+        "chaos=[{at_step: 4, action: hang_rank, target: 1}]",
+    )
     result = train(cfg, show_progress=False)
     assert result.final_step == 6
     events = read_jsonl(f"{result.run_dir}/events.jsonl")

@@ -107,8 +107,7 @@ def test_s3_save_commit_skip_damaged_and_resume_exactly(s3_endpoint, make_config
     _forget_s3_filesystems()
 
     with file_reads_below(root) as reads:
-        result = train(make_config(*overrides, "resume=true", run_dir=run_dir),
-                       show_progress=False)  # fmt: skip
+        result = train(make_config(*overrides, "resume=true", run_dir=run_dir), show_progress=False)
     assert {name.rsplit("/", 1)[-1] for name in reads} == {"commit.json"}
     start = next(e for e in read_jsonl(run_dir / "events.jsonl")[::-1] if e["event"] == "start")
     assert start["resumed_from"].endswith("step_4")

@@ -24,8 +24,10 @@ def _write_step(root, step: int, payload: bytes = b"x" * 100) -> dict[int, dict]
     """Two ranks' shards, as they write them; returns what each reports: {rank: files}."""
     step_dir = root / f"step_{step}"
     (step_dir / "rng").mkdir(parents=True)
-    written = {0: {"__0_0.distcp": payload, ".metadata": b"meta", "rng/rank_0.pt": b"rng"},
-               1: {"__1_0.distcp": payload[::-1], "rng/rank_1.pt": b"rng1"}}  # fmt: skip
+    written = {
+        0: {"__0_0.distcp": payload, ".metadata": b"meta", "rng/rank_0.pt": b"rng"},
+        1: {"__1_0.distcp": payload[::-1], "rng/rank_1.pt": b"rng1"},
+    }
     reports = {}
     for rank, files in written.items():
         digests = FileDigests()
@@ -51,8 +53,13 @@ def test_commit_records_every_reported_file_with_size_and_checksum(tmp_path, sto
     ref = store.commit(4, {"step": 4, "consumed_samples": 32}, merge_manifests(reports))
     assert ref.committed and ref.consumed_samples == 32
     assert ref.record["files"] == stored == {**reports[0], **reports[1]}
-    assert set(ref.record["files"]) == {"__0_0.distcp", "__1_0.distcp", ".metadata",
-                                        "rng/rank_0.pt", "rng/rank_1.pt"}  # fmt: skip
+    assert set(ref.record["files"]) == {
+        "__0_0.distcp",
+        "__1_0.distcp",
+        ".metadata",
+        "rng/rank_0.pt",
+        "rng/rank_1.pt",
+    }
     assert ref.record["files"]["__0_0.distcp"]["size"] == 100
     assert store.problems(ref) == []
     assert verify_files(ref.uri, ref.record["files"]) == []
@@ -76,8 +83,10 @@ def test_commit_and_latest_valid_read_no_checkpoint_byte(tmp_path, store, monkey
     step_dir = str(tmp_path / "step_4")
     touched = [(f, m) for f, m in opened if f.startswith(step_dir)]
     # The commit record written, then read back by the listing of checkpoints; nothing else.
-    assert {f.removeprefix(step_dir + "/") for f, _ in touched} == {COMMIT_FILE + ".tmp",
-                                                                    COMMIT_FILE}  # fmt: skip
+    assert {f.removeprefix(step_dir + "/") for f, _ in touched} == {
+        COMMIT_FILE + ".tmp",
+        COMMIT_FILE,
+    }
     assert all("r" not in m for f, m in touched if f.endswith(".tmp"))
 
 
@@ -182,8 +191,10 @@ def test_a_corrupted_newest_found_by_the_ranks_is_skipped_until_committed_again(
 
 
 def test_verification_shares_hold_every_file_once_balanced_by_bytes():
-    files = {f"f{i}": {"size": size, "sha256": ""} for i, size in
-             enumerate([100, 90, 80, 10, 10, 10, 5, 1, 1])}  # fmt: skip
+    files = {
+        f"f{i}": {"size": size, "sha256": ""}
+        for i, size in enumerate([100, 90, 80, 10, 10, 10, 5, 1, 1])
+    }
     shares = verification_shares(files, 3)
     names = [name for share in shares for name in share]
     assert sorted(names) == sorted(files)

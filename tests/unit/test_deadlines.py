@@ -159,8 +159,12 @@ def test_the_defaults_suit_a_five_minute_step() -> None:
     d = Deadlines.from_config(TrainConfig())
     topo = Topology(128, 8, memory_per_accelerator=80e9)
     step = plan(PRESETS["llama-405b"], topo, global_batch=1024, seq_len=4096).best.step_time.total_s
-    d.formed(predicted_step_s=step, setup_s=300.0, world_size=1024,
-             checkpoint_bytes=checkpoint_bytes(PRESETS["llama-405b"]))  # fmt: skip
+    d.formed(
+        predicted_step_s=step,
+        setup_s=300.0,
+        world_size=1024,
+        checkpoint_bytes=checkpoint_bytes(PRESETS["llama-405b"]),
+    )
     assert d.hang_bound().seconds > 2 * step + 300
     _steps(d, [300.0] * 10)
     assert d.hang_bound().seconds == pytest.approx(1500.0)
@@ -169,8 +173,12 @@ def test_the_defaults_suit_a_five_minute_step() -> None:
     _steps(d, [3 * floor] * 10)
     assert d.hang_bound().seconds > 3 * floor and d.hang_bound().basis == "p99"
     # The drain of a 405B checkpoint (4.9 TB over 1024 ranks) at the assumed 0.1 GB/s.
-    d.formed(predicted_step_s=step, setup_s=0.0, world_size=1024,
-             checkpoint_bytes=checkpoint_bytes(PRESETS["llama-405b"]))  # fmt: skip
+    d.formed(
+        predicted_step_s=step,
+        setup_s=0.0,
+        world_size=1024,
+        checkpoint_bytes=checkpoint_bytes(PRESETS["llama-405b"]),
+    )
     _steps(d, [300.0] * 10)
     assert d.drain_bound().seconds == pytest.approx(1500.0 + 3 * 4.756e9 / 0.1e9 + 10, rel=1e-3)
 

@@ -35,16 +35,21 @@ N = SEVEN_B.num_params
 
 
 def _layout(world=8, tp=1, pp=1, dp_replicate=1, dp_shard=8, zero=3, offload=False) -> Layout:
-    dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard,
-                        tp=tp)  # fmt: skip
+    dims = ParallelDims(
+        world_size=world, pp=pp, dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp
+    )
     return Layout(dims, zero, 1, 1, offload_optimizer=offload)
 
 
 @pytest.mark.parametrize(
     ("engine", "precision", "per_param"),
-    [("fsdp2", "bf16", 12), ("fsdp2", "fp32", 12), ("deepspeed", "bf16", 14),
-     ("deepspeed", "fp32", 16)],
-)  # fmt: skip
+    [
+        ("fsdp2", "bf16", 12),
+        ("fsdp2", "fp32", 12),
+        ("deepspeed", "bf16", 14),
+        ("deepspeed", "fp32", 16),
+    ],
+)
 def test_checkpoint_bytes_per_engine(engine, precision, per_param) -> None:
     """FSDP2 saves fp32 shards and Adam moments; DeepSpeed the module in the compute dtype and
     an fp32 master copy with the moments (even at fp32)."""

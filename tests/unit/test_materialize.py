@@ -26,8 +26,13 @@ from raytrain_dt.models.spec import llama_spec
 
 # 300 rows of 8192: 128 rows a random block, so regions below cross block boundaries.
 SHAPE = (300, 8192)
-REGIONS = [((0, 1), (0, 8192)), ((100, 260), (0, 8192)), ((127, 129), (4000, 4100)),
-           ((0, 300), (8191, 8192)), ((299, 300), (0, 3))]  # fmt: skip
+REGIONS = [
+    ((0, 1), (0, 8192)),
+    ((100, 260), (0, 8192)),
+    ((127, 129), (4000, 4100)),
+    ((0, 300), (8191, 8192)),
+    ((299, 300), (0, 3)),
+]
 FLAT_RANGES = [(0, 10), (8190, 8200), (5 * 8192 + 3, 140 * 8192 + 17), (299 * 8192, 300 * 8192)]
 
 
@@ -55,8 +60,9 @@ def test_padding_rows_are_zero_in_every_region():
     weights = RandomWeights(lambda name, module: ParamInit.normal(1.0, zero_rows=(128,)), seed=0)
     whole = weights.read("e", None, SHAPE, _whole(SHAPE))
     assert not whole[128].any() and whole[127].all() and whole[129].all()
-    assert torch.equal(weights.read("e", None, SHAPE, (slice(128, 130), slice(5, 9))),
-                       whole[128:130, 5:9])  # fmt: skip
+    assert torch.equal(
+        weights.read("e", None, SHAPE, (slice(128, 130), slice(5, 9))), whole[128:130, 5:9]
+    )
 
 
 def test_the_skeleton_holds_no_parameter_memory_and_real_buffers():
@@ -76,8 +82,7 @@ def test_materialized_ties_stay_tied():
 
 def test_the_decoder_starts_with_its_init_conventions():
     """Norms 1, projections normal(0.02), residual outputs normal(0.02 / sqrt(2 n_layers))."""
-    shape = ModelShape(dim=256, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=512,
-                       ffn_hidden=512)  # fmt: skip
+    shape = ModelShape(dim=256, n_layers=8, n_heads=4, n_kv_heads=4, vocab_size=512, ffn_hidden=512)
     params = dict(llama_spec(shape).build(16, seed=1).named_parameters())
     residual = 0.02 / math.sqrt(2 * shape.n_layers)
     for name, param in params.items():
@@ -97,9 +102,16 @@ def test_hf_llama_starts_with_transformers_init_conventions():
     transformers = pytest.importorskip("transformers")
     from raytrain_dt.models.hf import hf_spec
 
-    config = {"hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1024,
-              "pad_token_id": 3, "initializer_range": 0.05}  # fmt: skip
+    config = {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 1024,
+        "pad_token_id": 3,
+        "initializer_range": 0.05,
+    }
     model = hf_spec("llama", config).build(16, seed=0)
     params = dict(model.named_parameters())
     embed = params["model.embed_tokens.weight"]

@@ -146,13 +146,17 @@ def test_host_memory_reaches_the_step_lines_and_the_model_built_event(tmp_path):
     """Per step, the host's peak RSS is the max over ranks; after a formation's build, the
     `model_built` event holds each rank's idle and peak RSS and their max."""
     rec = RunRecorder(tmp_path, 0)
-    rec.model_built([
-        {"model_build_s": 1.5, "host_rss_idle_bytes": 400, "host_rss_peak_bytes": 900},
-        {"model_build_s": 2.0, "host_rss_idle_bytes": 410, "host_rss_peak_bytes": 950},
-    ])  # fmt: skip
+    rec.model_built(
+        [
+            {"model_build_s": 1.5, "host_rss_idle_bytes": 400, "host_rss_peak_bytes": 900},
+            {"model_build_s": 2.0, "host_rss_idle_bytes": 410, "host_rss_peak_bytes": 950},
+        ]
+    )
     for rank, host in ((0, 1000), (1, 1200)):
-        rec.rank_step(rank, {"step": 1, "mem_allocated_bytes": 5, "mem_peak_bytes": 6,
-                             "host_rss_peak_bytes": host})  # fmt: skip
+        rec.rank_step(
+            rank,
+            {"step": 1, "mem_allocated_bytes": 5, "mem_peak_bytes": 6, "host_rss_peak_bytes": host},
+        )
     rec.step_metrics({"step": 1, "loss": 4.0, "step_time_s": 1.0}, 2, "dp=2")
     rec.close()
     (built,) = [e for e in read_jsonl(tmp_path / "events.jsonl") if e["event"] == "model_built"]
