@@ -4,7 +4,8 @@ or SKIP per check; exit 1 if any failed.
 
 The devices checked: those named with --device, else `cuda` where Ray sees GPUs, else both
 `cpu` and `emulated` (the CPU stand-in for CUDA + NCCL). Without a recipe the embedded cluster
-has two simulated nodes, so the collective crosses nodes as on a real cluster.
+has two simulated nodes, so the collective crosses nodes as on a real cluster (on a GPU machine:
+the machine itself, one node with its GPUs).
 """
 
 from __future__ import annotations
@@ -24,8 +25,11 @@ from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.doctor import checks
 from raytrain_dt.doctor.result import Check, format_json, format_table
 
-# Without a recipe: two simulated nodes of one accelerator each.
+# Without a recipe: two simulated nodes of one accelerator each, so the collective crosses
+# nodes; on a machine with GPUs, the machine itself (one node with its real GPUs: simulated
+# nodes would each claim every GPU).
 EMBEDDED_DEFAULT = ["cluster.local_nodes=2", "cluster.accelerators_per_node=1"]
+EMBEDDED_GPU_DEFAULT = ["cluster.local_nodes=1"]
 # The training checks' corpus: a few hundred kB of the standard library, tokenized per node.
 CORPUS_TOKENS, CORPUS_SEQ_LEN = 200_000, 64
 
@@ -62,7 +66,12 @@ def run_doctor(args: argparse.Namespace) -> int:
     config, overrides = args.config, list(args.overrides)
     if config and "=" in config and not Path(config).exists():  # an override, not a recipe
         config, overrides = None, [config, *overrides]
-    recipe = load_config(config, overrides if config else [*EMBEDDED_DEFAULT, *overrides])
+    if not config:
+        import torch
+
+        embedded = EMBEDDED_GPU_DEFAULT if torch.cuda.is_available() else EMBEDDED_DEFAULT
+        overrides = [*embedded, *overrides]
+    recipe = load_config(config, overrides)
     with tempfile.TemporaryDirectory(prefix="raytrain_dt_doctor_") as scratch:
         work_dir = Path(args.work_dir or scratch)
         # With --json, stdout carries the JSON alone: what Ray and the runs print goes to stderr.
