@@ -234,9 +234,17 @@ def _reuse_check(name: str, run) -> Check:
     )
 
 
-def check_host_memory(recipe: TrainConfig, resource: str) -> Check:
-    """The recipe planned on this cluster's nodes: the host memory its fullest node needs
-    (offloaded states, async-save staging, the rank processes) against the smallest node's."""
+@dataclass(frozen=True)
+class RecipePlan:
+    """The recipe planned on the cluster's nodes: the topology it saw and the best candidate,
+    or why nothing fits."""
+
+    topology: object | None
+    best: object | None  # topology.planner.Candidate
+    refusal: str = ""
+
+
+def plan_recipe(recipe: TrainConfig, resource: str) -> RecipePlan:
     from raytrain_dt.control.cluster import alive_nodes, planning_topology
     from raytrain_dt.control.run_setup import choose_layout
     from raytrain_dt.errors import PlanningError
@@ -244,16 +252,25 @@ def check_host_memory(recipe: TrainConfig, resource: str) -> Check:
 
     nodes = alive_nodes(resource)
     if not nodes:
-        return skipped("host_memory", f"no node with {resource}: nothing to plan on")
-    shape = model_spec(recipe).shape
+        return RecipePlan(None, None, f"no node with {resource}: nothing to plan on")
     world = min(recipe.cluster.num_ranks or 10**9, sum(n.accelerators for n in nodes))
     topology = planning_topology(recipe.cluster, resource, nodes, world)
+    shape = model_spec(recipe).shape
     try:
-        best = choose_layout(recipe, shape, topology, resource == "GPU").best
+        return RecipePlan(topology, choose_layout(recipe, shape, topology, resource == "GPU").best)
     except PlanningError as exc:
-        return failed("host_memory", f"the recipe does not fit this cluster: {exc}")
-    need, have = best.host_per_node, topology.host_memory_per_node
-    figures = {"need_bytes": need, "per_node_bytes": have, "layout": best.layout.describe()}
+        return RecipePlan(topology, None, f"the recipe does not fit this cluster: {exc}")
+
+
+def check_host_memory(plan: RecipePlan) -> Check:
+    """The host memory the planned layout's fullest node needs (offloaded states, async-save
+    staging, the rank processes) against the smallest node's."""
+    if plan.topology is None:
+        return skipped("host_memory", plan.refusal)
+    if plan.best is None:
+        return failed("host_memory", plan.refusal)
+    need, have = plan.best.host_per_node, plan.topology.host_memory_per_node
+    layout = plan.best.layout.describe()
     if not have:
         return skipped(
             "host_memory",
@@ -261,8 +278,10 @@ def check_host_memory(recipe: TrainConfig, resource: str) -> Check:
         )
     return passed(
         "host_memory",
-        f"{_gb(need)} per node for {best.layout.describe()} of {_gb(have)} on the smallest node",
-        **figures,
+        f"{_gb(need)} per node for {layout} of {_gb(have)} on the smallest node",
+        need_bytes=need,
+        per_node_bytes=have,
+        layout=layout,
     )
 
 

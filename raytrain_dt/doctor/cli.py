@@ -121,8 +121,9 @@ def _run_checks(recipe: TrainConfig, requested: list[str] | None, work_dir: Path
             results += checks.check_training(
                 kind, _training_config(recipe, data, work_dir, ranks), ranks
             )
-        results.append(checks.check_host_memory(recipe, resource))
-    results.append(_disk_check(recipe))
+        plan = checks.plan_recipe(recipe, resource)
+        results.append(checks.check_host_memory(plan))
+    results.append(_disk_check(recipe, plan, resource == "GPU"))
     return results
 
 
@@ -179,12 +180,21 @@ def _prepare_corpus_everywhere(path: Path, probes: checks.Probes) -> None:
     )
 
 
-def _disk_check(recipe: TrainConfig) -> Check:
-    """Disk for the recipe's checkpoints (its model's size as its engine saves it)."""
+def _disk_check(recipe: TrainConfig, plan: checks.RecipePlan, on_gpu: bool) -> Check:
+    """Disk for the recipe's checkpoints: its model's size as its engine saves it, at the
+    planned layout (its ZeRO stage) and precision; the memory model's default stage when
+    nothing was planned."""
+    from raytrain_dt.control.run_setup import planned_checkpoint_bytes
     from raytrain_dt.models.spec import model_spec
     from raytrain_dt.topology.host_memory import checkpoint_bytes
+    from raytrain_dt.topology.precision import resolve_precision
 
-    size = checkpoint_bytes(model_spec(recipe).shape, engine=recipe.engine.name)
+    shape = model_spec(recipe).shape
+    if plan.best is not None:
+        size = planned_checkpoint_bytes(recipe, shape, plan.best.layout, on_gpu)
+    else:
+        precision = resolve_precision(recipe.engine.precision, on_gpu)
+        size = checkpoint_bytes(shape, engine=recipe.engine.name, precision=precision)
     root = recipe.checkpoint.dir or str(Path(recipe.run.dir) / "checkpoints")
     return checks.check_disk(root, size, recipe.checkpoint.keep_last)
 
