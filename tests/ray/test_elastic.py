@@ -49,8 +49,9 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
     node joins, a node is preempted: the run still trains exactly what an uninterrupted one
     would, and logs every resize with both layouts."""
     # The preemption waits for the grown layout (its actors start first), then needs a few
-    # steps to drain.
-    steps = 40
+    # steps to drain. Each growth trains on (0.3 s steps) while its new actors start: 10-15
+    # steps here, more on a busier host, so the story needs more steps than its last at_step.
+    steps = 60
     cfg = make_config(
         f"trainer.steps={steps}", "checkpoint.every_steps=5", "cluster.num_ranks=null",
         "engine.zero_stage=3", "chaos_step_delay_s=0.3", "elastic.grow_stable_s=0.5",
