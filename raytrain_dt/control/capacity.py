@@ -33,8 +33,9 @@ class Capacity:
             self.cluster.request_capacity(bundles)
             self.recorder.event("capacity_request", bundles=bundles)
 
-    def warm(self, nodes: tuple[NodeInfo, ...], draining: frozenset[str],
-             waiting: bool) -> tuple[NodeInfo, ...]:  # fmt: skip
+    def warm(
+        self, nodes: tuple[NodeInfo, ...], draining: frozenset[str], waiting: bool
+    ) -> tuple[NodeInfo, ...]:
         """Start actors ahead of need where a node has room for more than the group has
         there (a dead rank's replacement, a node that joined), up to the ranks the run can
         use; and show the policy only capacity with started actors. So a failure re-forms at

@@ -1,26 +1,26 @@
 """The coordinator: the driver-side control plane of one training run, as a state machine.
 
-`while not state.terminal: state = step(state)`. It prepares the run, connects to Ray, asks
-the elastic policy what to do (start, resize, wait, fail), executes the decision with the rank
-group (forming it: `control/formation.py`; recovering it: `control/recovery.py`), and watches the group: progress,
-metrics and ledger, checkpoint commits, dead or hung ranks, preemption notices (from ranks:
-SIGTERM, spot notices; from the GCS: node drains), new nodes and the capacity to ask the
-autoscaler for. It never imports torch.distributed: everything it knows about ranks comes from
-their reports. The cluster view and the rank group are the only parts that touch Ray; `begin`
-takes them, so unit tests drive `advance` on fakes.
-"""
+`while not state.terminal: state = step(state)`. It prepares the run, connects to Ray, and
+composes the parts that run it, each in its own module and sharing only `RunState`: deciding
+(`control/deciding.py`: the elastic policy's start, resize, wait or fail), forming the group
+(`control/formation.py`), watching it (`control/watch.py`: progress, metrics and ledger,
+checkpoint commits, dead or hung ranks, preemption notices from ranks), recovering it
+(`control/recovery.py`: failures, drains) and capacity (`control/capacity.py`: actors warmed
+ahead of need, the autoscaler's request). State handlers return the next state; a decision due
+comes back as `Deciding`, which `advance` answers (`control/states.py` has the diagram). It
+never imports torch.distributed: everything it knows about ranks comes from their reports
+(`worker/reports.py`). The cluster view and the rank group are the only parts that touch Ray;
+`begin` takes them, so unit tests drive `advance` on fakes."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -32,7 +32,6 @@ from raytrain_dt.config.load import to_yaml
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.capacity import Capacity
 from raytrain_dt.control.chaos import Chaos
-from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.cluster import (
     ClusterHandle,
     ClusterView,
@@ -44,20 +43,17 @@ from raytrain_dt.control.cluster import (
 )
 from raytrain_dt.control.comm_env import run_comm_env, with_comm_env
 from raytrain_dt.control.deadlines import Deadlines
-from raytrain_dt.control.formation import Formation, FormationTimedOut, Formed, NoRoomForLayout
+from raytrain_dt.control.deciding import Decider
+from raytrain_dt.control.formation import Formation, FormationTimedOut, NoRoomForLayout
 from raytrain_dt.control.group import RankGroupLike
 from raytrain_dt.control.policies import (
     ElasticPolicy,
-    Fail,
     FailureStreak,
-    Noop,
     Observation,
     Resize,
-    Wait,
 )
 from raytrain_dt.control.rank_group import RankGroup
 from raytrain_dt.control.recovery import Recovery
-from raytrain_dt.control.recovery_timing import RecoveryTimer
 from raytrain_dt.control.run_setup import (
     RunResult,
     TrainingFailed,
@@ -196,16 +192,35 @@ class Coordinator:
         self.deadlines = Deadlines.from_config(self.cfg)
         self.bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step",
                         disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
-        self.capacity = Capacity(self.cfg, resource, cluster, group, self.run_state,
-                                 self.recorder)  # fmt: skip
-        self.formation = Formation(self.cfg, self.shape, self.model_spec, self.dataset,
-                                   self.checkpoint_root, self.store, resource, group,
-                                   self.deadlines, self.recorder)  # fmt: skip
-        self.watch = GroupWatch(self.run_state, group, self.recorder, self.deadlines, self.chaos,
-                                self.bar, self._notice)  # fmt: skip
-        self.recovery = Recovery(self.run_state, group, cluster, self.recorder, self.chaos,
-                                 self.deadlines, self.store, self.watch.handle_reports)  # fmt: skip
+        self.capacity = Capacity(self.cfg, resource, cluster, group, self.run_state, self.recorder)
+        self.formation = Formation(
+            self.cfg,
+            self.run_dir,
+            self.shape,
+            self.model_spec,
+            self.dataset,
+            self.checkpoint_root,
+            self.store,
+            resource,
+            group,
+            self.deadlines,
+            self.recorder,
+        )
+        self.watch = GroupWatch(
+            self.run_state, group, self.recorder, self.deadlines, self.chaos, self.bar, self._notice
+        )
+        self.recovery = Recovery(
+            self.run_state,
+            group,
+            cluster,
+            self.recorder,
+            self.chaos,
+            self.deadlines,
+            self.store,
+            self.watch.handle_reports,
+        )
         self.watch.recovery = self.recovery
+        self.decider = Decider(self.policy, self.run_state, self.recorder, self._observe)
         self.state: State = Starting()
 
     # What tests and callers read of the run's state.
@@ -226,7 +241,7 @@ class Coordinator:
         A handler that returns `Deciding` is answered with a decision in the same iteration."""
         state, new_state = self.state, self._step(self.state)
         if isinstance(new_state, Deciding):
-            new_state = self._decide(new_state)
+            new_state = self.decider.decide(new_state)
         if type(new_state) is not type(state):
             self.recorder.event("transition", old=type(state).__name__.lower(),
                                 new=type(new_state).__name__.lower(),
@@ -286,46 +301,6 @@ class Coordinator:
                             detail=detail)  # fmt: skip
         log.warning("preemption notice for node %s (%s): %s", node[:12], source, detail)
 
-    def _decide(self, deciding: Deciding) -> State:
-        """Turn a due decision into the next state: observe, ask the policy, act on it."""
-        run = self.run_state
-        if deciding.drained is not None:
-            # After a drain, re-plan without the old layout: the node under notice may be
-            # gone, or the capacity may have changed.
-            decision = self.policy.decide(replace(self._observe("ok"), layout=None))
-            if isinstance(decision, Resize):
-                return Resizing(replace(decision, reason=deciding.drained.reason))
-        obs = self._observe(deciding.health)
-        waiting = deciding.waiting
-        if waiting is not None:
-            obs = replace(obs, waiting_since=waiting.since)
-        started = time.perf_counter()
-        decision = self.policy.decide(obs)
-        if isinstance(decision, Resize):
-            if decision.checkpoint_first and not run.draining:
-                # Growth: since the nodes appeared, or since the failure that shrank the group
-                # (a grow back onto a dead rank's warmed replacement), whichever is later.
-                appeared = started - (time.time() - run.nodes_since)
-                run.incident.cause(max(appeared, run.shrunk_at))
-            run.incident.decided(started, time.perf_counter())
-        if not isinstance(decision, Noop):
-            self.recorder.event("decision", decision=type(decision).__name__.lower(), reason=decision.reason,
-                                health=obs.health, step=obs.step)  # fmt: skip
-            log.info("decision: %s", decision.reason)
-        if isinstance(decision, Fail):
-            return Failed(decision.reason)
-        if isinstance(decision, Wait):
-            if waiting is None:
-                log.warning("waiting: %s", decision.reason)
-            time.sleep(1.0)
-            return Waiting(decision.reason, waiting.since if waiting else obs.now)
-        if isinstance(decision, Resize):
-            if decision.checkpoint_first and run.layout is not None:
-                return Draining(decision)
-            return Restarting(decision) if obs.health in ("failed", "hung") else Resizing(decision)
-        time.sleep(deciding.pause_s)
-        return Running()
-
     def _plan_for(self, nodes: tuple[NodeInfo, ...]):
         planned = plan_for_nodes(self.cfg, self.shape, self.resource, nodes)
         if planned is None:
@@ -363,51 +338,12 @@ class Coordinator:
                                 **exc.bound.fields())  # fmt: skip
             log.error("%s", exc.reason)
             return Failed(exc.reason)
-        self._formed(state, formed, old, started)
+        self.watch.tracker = self.formation.record(self.run_state, state, formed, old, started)
+        self.bar.n = formed.resume_step
         # After the formation's event: no step may precede its record.
         self.group.start()
         run.group_left = False
         return Running()
-
-    def _formed(self, state: Resizing | Restarting, formed: Formed, old, started: float) -> None:
-        """Record a formation in the run's state, its files and its events."""
-        run, decision, layout = self.run_state, state.decision, state.decision.layout
-        run.layout, run.layout_nodes = layout, tuple(sorted(formed.counts))
-        run.formed = True
-        run.step = self.bar.n = formed.resume_step
-        self.watch.tracker = CheckpointTracker(self.store, layout.dims.world_size, self.recorder,
-                                         self.cfg.checkpoint.keep_last,
-                                         self.cfg.checkpoint.keep_every,
-                                         self.deadlines.checkpoint_committed)  # fmt: skip
-        run.last_progress = run.last_formed_at = time.time()
-        plan = run.last_plan  # the decision's layout is the best of the latest plan
-        predicted = plan.best.step_time.total_s if plan and plan.best.layout == layout else None
-        setup_s = time.perf_counter() - formed.verified_at
-        self.deadlines.formed(predicted_step_s=predicted,
-                              setup_s=time.perf_counter() - formed.formed_at,
-                              world_size=layout.dims.world_size,
-                              checkpoint_bytes=formed.checkpoint_bytes)  # fmt: skip
-        form_s = formed.formed_at - started
-        run.timings.append({"kind": type(state).__name__.lower(), "form_s": form_s,
-                            "setup_s": setup_s, "ranks": formed.rank_setup})  # fmt: skip
-        (self.run_dir / "layout.json").write_text(json.dumps(layout.as_dict(), indent=2))
-        if plan is not None:
-            (self.run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
-        lost = max(0, run.failure_step - formed.resume_step)
-        self.recorder.event(
-            "resize" if old is not None else "start", reason=decision.reason,
-            old_layout=old.as_dict() if old else None, new_layout=layout.as_dict(),
-            resumed_from=formed.resume.uri if formed.resume else None,
-            resumed_step=formed.resume_step,
-            lost_steps=lost if isinstance(state, Restarting) else 0,
-            form_s=form_s, setup_s=time.perf_counter() - formed.verified_at,
-            node_ids=[s.node_id for s in self.group.slots], rank_setup=formed.rank_setup,
-            pids=[s.pid for s in self.group.slots],
-            **run.incident.formed(form_s, formed.rank_setup),
-        )  # fmt: skip
-        self.recorder.model_built(formed.rank_setup)
-        # The next incident is timed afresh; this one's clock runs on to the first step.
-        run.formation_timer, run.incident = run.incident, RecoveryTimer()
 
 
 def storage_runtime_env() -> dict | None:

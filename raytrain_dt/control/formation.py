@@ -3,30 +3,36 @@ the actors, verify the checkpoint to resume from (on the ranks), hand each rank 
 wait for every rank's set-up, all within the formation's deadline (`control/deadlines.py`).
 
 `Formation.form` takes what it needs explicitly and returns a `Formed` result, or raises
-`NoRoomForLayout` (re-plan) or `FormationTimedOut` (the run fails with the reason). Recording
-the formation in the run's state and events is the coordinator's part.
+`NoRoomForLayout` (re-plan) or `FormationTimedOut` (the run fails with the reason);
+`Formation.record` then writes a formed group into the run's state, files and events.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from raytrain_dt.checkpoint.digests import verification_shares
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.chaos import Chaos
+from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.deadlines import Bound, Deadlines
 from raytrain_dt.control.group import RankGroupLike
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.control.policies import Resize
 from raytrain_dt.control.recovery_timing import RecoveryTimer
 from raytrain_dt.control.run_setup import planned_checkpoint_bytes, rank_specs
+from raytrain_dt.control.run_state import RunState
+from raytrain_dt.control.states import Resizing, Restarting
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.models.spec import ModelSpec
 from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.topology.layout import Layout
 
 log = logging.getLogger("raytrain_dt.control.coordinator")
 
@@ -64,6 +70,7 @@ class Formation:
     """What every formation of the run shares; `form` takes what differs between them."""
 
     cfg: TrainConfig
+    run_dir: Path  # where layout.json and plan.json go
     shape: ModelShape
     model_spec: ModelSpec
     dataset: object  # handed through to the ranks' data slices
@@ -130,6 +137,68 @@ class Formation:
             )
             raise FormationTimedOut(reason, bound) from exc
         return Formed(counts, resume, resume_step, setup, planned_bytes, formed, verified)
+
+    def record(
+        self,
+        run: RunState,
+        state: Resizing | Restarting,
+        formed: Formed,
+        old: Layout | None,
+        started: float,
+    ) -> CheckpointTracker:
+        """Record a formation in the run's state, its files and its events; returns the new
+        layout's checkpoint tracker. `old`: the layout before; `started`: perf_counter when
+        the formation began (the old layout still to leave)."""
+        decision, layout = state.decision, state.decision.layout
+        run.layout, run.layout_nodes = layout, tuple(sorted(formed.counts))
+        run.formed = True
+        run.step = formed.resume_step
+        tracker = CheckpointTracker(
+            self.store,
+            layout.dims.world_size,
+            self.recorder,
+            self.cfg.checkpoint.keep_last,
+            self.cfg.checkpoint.keep_every,
+            self.deadlines.checkpoint_committed,
+        )
+        run.last_progress = run.last_formed_at = time.time()
+        plan = run.last_plan  # the decision's layout is the best of the latest plan
+        predicted = plan.best.step_time.total_s if plan and plan.best.layout == layout else None
+        setup_s = time.perf_counter() - formed.verified_at
+        self.deadlines.formed(
+            predicted_step_s=predicted,
+            setup_s=time.perf_counter() - formed.formed_at,
+            world_size=layout.dims.world_size,
+            checkpoint_bytes=formed.checkpoint_bytes,
+        )
+        form_s = formed.formed_at - started
+        run.timings.append(
+            {
+                "kind": type(state).__name__.lower(),
+                "form_s": form_s,
+                "setup_s": setup_s,
+                "ranks": formed.rank_setup,
+            }
+        )
+        (self.run_dir / "layout.json").write_text(json.dumps(layout.as_dict(), indent=2))
+        if plan is not None:
+            (self.run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
+        lost = max(0, run.failure_step - formed.resume_step)
+        self.recorder.event(
+            "resize" if old is not None else "start", reason=decision.reason,
+            old_layout=old.as_dict() if old else None, new_layout=layout.as_dict(),
+            resumed_from=formed.resume.uri if formed.resume else None,
+            resumed_step=formed.resume_step,
+            lost_steps=lost if isinstance(state, Restarting) else 0,
+            form_s=form_s, setup_s=time.perf_counter() - formed.verified_at,
+            node_ids=[s.node_id for s in self.group.slots], rank_setup=formed.rank_setup,
+            pids=[s.pid for s in self.group.slots],
+            **run.incident.formed(form_s, formed.rank_setup),
+        )  # fmt: skip
+        self.recorder.model_built(formed.rank_setup)
+        # The next incident is timed afresh; this one's clock runs on to the first step.
+        run.formation_timer, run.incident = run.incident, RecoveryTimer()
+        return tracker
 
     def _verified_resume_point(
         self, resume_point: Callable[[], ResumePoint], remaining_s: Callable[[], float]

@@ -131,7 +131,7 @@ class FakeRankGroup:
     def warm(self, node_id: str, count: int) -> None:
         self.starting += [FakeSlot(node_id) for _ in range(count)]
 
-    def collect_warm(self, timeout_s: float = 0.0) -> None:
+    def collect_warm(self, timeout_s: float = 0.0, give_up_s: float = 300.0) -> None:
         self.idle += self.starting
         self.starting = []
 
