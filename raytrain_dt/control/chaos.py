@@ -1,13 +1,16 @@
 """Driver-side fault injection on the embedded simulated cluster: lose, preempt or add nodes.
 
-Rank-level faults (`kill_rank`, `hang_rank`) fire inside the target rank's train loop; the
-node-level ones here act on `ray.cluster_utils.Cluster` raylets when the run reaches their
-step. Every action fires once per run.
+Rank-level faults (`kill_rank`, `hang_rank`, `kill_rank_mid_save`) fire inside the target
+rank (`worker/chaos.py`); the node-level ones here act on `ray.cluster_utils.Cluster` raylets
+when the run reaches their step. A `preempt_node` posts a notice and reclaims the node once the
+group has drained it. Every action fires once per run.
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from raytrain_dt.config.schema import ChaosAction
@@ -15,6 +18,9 @@ from raytrain_dt.config.schema import ChaosAction
 log = logging.getLogger(__name__)
 
 NODE_ACTIONS = ("kill_node", "preempt_node", "add_node")
+# How long node actions wait for an added node to be in use, for a layout's first checkpoint,
+# and for actors warmed for a grow back (seconds).
+CHAOS_ARRIVAL_WAIT_S = 30.0
 
 
 @dataclass
@@ -25,6 +31,8 @@ class Chaos:
     fired: set[int] = field(default_factory=set)
     arrived: str | None = None  # the node the last add_node added, and when
     arrived_at: float = 0.0
+    # Nodes under a simulated preemption notice -> the index of the action that posted it.
+    preempting: dict[str, int] = field(default_factory=dict)
 
     def remaining(self) -> list[ChaosAction]:
         return [a for i, a in enumerate(self.actions) if i not in self.fired]
@@ -52,3 +60,46 @@ class Chaos:
         node = self.simulated.add_node(**self.node_resources)
         log.warning("chaos: added node %s", node.node_id[:12])
         return node.node_id
+
+    def fire_node_actions(
+        self,
+        step: int,
+        layout_nodes: tuple[str, ...],
+        settled: bool,
+        node_of_rank: Callable[[int], str],
+        notice: Callable[[str, str, str], None],
+    ) -> None:
+        """Fire the node actions due at `step`. `settled`: the layout has committed a
+        checkpoint of its own, or has been formed for long enough, with no actors warming
+        for a grow back; `notice(node, source, detail)` posts a preemption notice."""
+        # Node actions play out in order: the next waits until an added node is in use (for
+        # at most CHAOS_ARRIVAL_WAIT_S). Starting a raylet takes seconds, tiny steps 0.1 s:
+        # without this, an arrival and the next fault land at once and the story is not told.
+        if (
+            self.arrived not in (None, *layout_nodes)
+            and time.time() - self.arrived_at < CHAOS_ARRIVAL_WAIT_S
+        ):
+            return
+        # Nor before the layout has settled (so that each fault hits a layout that has
+        # trained, and rewinds at most to its own checkpoint).
+        if not settled:
+            return
+        for i, action in self.due_node_actions(step):
+            if action.action == "kill_node":
+                self.fired.add(i)
+                self.kill_node(node_of_rank(action.target))
+            elif action.action == "add_node":
+                self.fired.add(i)
+                self.arrived, self.arrived_at = self.add_node(), time.time()
+                return
+            elif action.action == "preempt_node" and i not in self.preempting.values():
+                node = node_of_rank(action.target)
+                self.preempting[node] = i
+                notice(node, "chaos", f"preempt_node at step {action.at_step}")
+
+    def reclaim_preempted(self) -> None:
+        """The notices have been served (the group drained): reclaim those nodes."""
+        for node, index in self.preempting.items():
+            self.fired.add(index)
+            self.kill_node(node)
+        self.preempting.clear()

@@ -15,6 +15,15 @@ from collections.abc import Callable
 from raytrain_dt.checkpoint.store import CheckpointStore, merge_manifests
 from raytrain_dt.errors import CheckpointError
 from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.worker.reports import (
+    CheckpointStagedReport,
+    SavedReport,
+    SaveFailedReport,
+    TrainStateReport,
+)
+
+# The reports that concern checkpoints (`worker/reports.py`).
+CheckpointReport = TrainStateReport | CheckpointStagedReport | SavedReport | SaveFailedReport
 
 log = logging.getLogger(__name__)
 
@@ -47,18 +56,18 @@ class CheckpointTracker:
     def in_flight(self) -> set[int]:
         return set(self._saved) | set(self._train_state)
 
-    def on_report(self, report: dict) -> None:
-        kind, step = report["kind"], report["step"]
-        if kind == "train_state":
-            self._train_state[step] = report["train_state"]
+    def on_report(self, report: CheckpointReport) -> None:
+        step = report.step
+        if isinstance(report, TrainStateReport):
+            self._train_state[step] = report.train_state
             self._started[step] = time.time()
-        elif kind == "checkpoint_staged":
+        elif isinstance(report, CheckpointStagedReport):
             # The slowest rank's staging is what training waited for.
-            self._stall[step] = max(self._stall.get(step, 0.0), report["stall_s"])
-        elif kind == "save_failed":
-            self._fail(step, report["error"])
-        elif kind == "saved" and step not in self._failed:
-            self._saved.setdefault(step, {})[report["rank"]] = report["files"]
+            self._stall[step] = max(self._stall.get(step, 0.0), report.stall_s)
+        elif isinstance(report, SaveFailedReport):
+            self._fail(step, report.error)
+        elif isinstance(report, SavedReport) and step not in self._failed:
+            self._saved.setdefault(step, {})[report.rank] = report.files
             if len(self._saved[step]) == self.world_size and step in self._train_state:
                 self._commit(step)
 

@@ -18,10 +18,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from raytrain_dt.control.placement import assign_ranks
 from raytrain_dt.errors import UserError
+from raytrain_dt.worker.reports import RankStatus
+
+if TYPE_CHECKING:
+    from raytrain_dt.worker.spec import RankSpec
 
 log = logging.getLogger(__name__)
 
@@ -247,9 +252,33 @@ class RankGroup:
 
         return self.slots[0].ip, ray.get(self.slots[0].handle.free_port.remote())
 
-    def call(
+    def setup(self, specs: list[RankSpec], timeout_s: float | None = None) -> list[dict]:
+        """Every rank joins the process group and builds its engine, state and data (a
+        collective); each rank's set-up timings, in rank order."""
+        return self._call_all("setup", [(spec,) for spec in specs], timeout_s)
+
+    def verify_checkpoint(
+        self, uri: str, shares: list[dict[str, dict]], timeout_s: float | None = None
+    ) -> list[list[str]]:
+        """Each rank checks its share of the checkpoint's files; what each found wrong."""
+        return self._call_all("verify_checkpoint", [(uri, share) for share in shares], timeout_s)
+
+    def start(self) -> None:
+        """Every rank starts its train loop (in the background: `poll` follows it)."""
+        self._call_all("start")
+
+    def teardown(self, grace_s: float, timeout_s: float = 30.0) -> list[int]:
+        """Every rank leaves its layout (`RankWorker.teardown`); the ranks that cannot be
+        reused (stuck, dead or silent)."""
+        return self._try_call_all("teardown", timeout_s, (grace_s,))
+
+    def request_checkpoint_and_stop(self, timeout_s: float = 30.0) -> list[int]:
+        """Every rank saves at the next step boundary and stops there; the ranks not told."""
+        return self._try_call_all("request_checkpoint_and_stop", timeout_s)
+
+    def _call_all(
         self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None
-    ):
+    ) -> list:
         """Call `method` on every rank concurrently (collectives need all ranks in) and wait:
         a TimeoutError (Ray's GetTimeoutError) once that is more than `timeout_s`."""
         import ray
@@ -260,7 +289,7 @@ class RankGroup:
         ]
         return ray.get(refs, timeout=timeout_s)
 
-    def poll(self, timeout_s: float = 30.0) -> list[dict]:
+    def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         """Every rank's status; an actor that died (or whose node died) is state "dead"."""
         import ray
 
@@ -268,16 +297,22 @@ class RankGroup:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         statuses = []
         for rank, ref in enumerate(refs):
+            node_id = self.slots[rank].node_id
             try:
-                statuses.append(ray.get(ref, timeout=0.5))
+                statuses.append(replace(ray.get(ref, timeout=0.5), node_id=node_id))
             except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
                 dead = isinstance(exc, ray.exceptions.RayActorError)
-                statuses.append({"rank": rank, "state": "dead" if dead else "unresponsive",
-                                 "reports": [], "error": f"{type(exc).__name__}: {exc}",
-                                 "node_id": self.slots[rank].node_id})  # fmt: skip
+                statuses.append(
+                    RankStatus(
+                        rank,
+                        "dead" if dead else "unresponsive",
+                        error=f"{type(exc).__name__}: {exc}",
+                        node_id=node_id,
+                    )
+                )
         return statuses
 
-    def try_call(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
+    def _try_call_all(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
         """Call `method(*args)` on every rank, tolerating dead ones; returns the ranks that
         failed (raised, timed out, or answered False)."""
         import ray

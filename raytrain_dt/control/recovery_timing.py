@@ -35,7 +35,7 @@ class RecoveryTimer:
         self.fields["drain_s"] = seconds
 
     def verified(self, seconds: float) -> None:
-        """The ranks' check of the resume checkpoint's files (`GroupRecovery._form`)."""
+        """The ranks' check of the resume checkpoint's files (`Formation.form`)."""
         self.fields["checkpoint_verify_s"] = seconds
 
     def formed(self, group_s: float, rank_setup: list[dict]) -> dict[str, float]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import io
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Collection
@@ -23,14 +22,21 @@ import torch.distributed as dist
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.checkpoint.record import RNG_DIR
-from raytrain_dt.checkpoint.storage import Location, dcp_writer
+from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.engines.base import Engine
+from raytrain_dt.worker.chaos import DieAfterWriting
+from raytrain_dt.worker.reports import (
+    CheckpointStagedReport,
+    RankReport,
+    SavedReport,
+    SaveFailedReport,
+)
 
 log = logging.getLogger(__name__)
 
 
 class RankCheckpointer:
-    def __init__(self, engine: Engine, rank: int, report: Callable[[dict], None], use_async: bool,
+    def __init__(self, engine: Engine, rank: int, report: Callable[[RankReport], None], use_async: bool,
                  device: DeviceSpec, die_while_saving: Collection[int] = ()):  # fmt: skip
         """`device`: whose RNG is saved beside the CPU's. `die_while_saving`: steps whose save
         this rank dies in the middle of (chaos `kill_rank_mid_save`, for tests)."""
@@ -95,9 +101,7 @@ class RankCheckpointer:
                 self._saved(step, uri, written)
         except Exception as exc:  # permission denied, disk full, ...: this save fails, not the run
             self._failed(step, uri, exc)
-        self.report(
-            {"kind": "checkpoint_staged", "step": step, "stall_s": time.perf_counter() - started}
-        )
+        self.report(CheckpointStagedReport(step, stall_s=time.perf_counter() - started))
 
     def _finished(
         self, step: int, uri: str, future: Future, reported: threading.Event, written: FileDigests
@@ -110,20 +114,12 @@ class RankCheckpointer:
         reported.set()
 
     def _saved(self, step: int, uri: str, written: FileDigests) -> None:
-        self.report(
-            {
-                "kind": "saved",
-                "step": step,
-                "rank": self.rank,
-                "path": uri,
-                "files": written.manifest(),
-            }
-        )
+        self.report(SavedReport(step, self.rank, path=uri, files=written.manifest()))
 
     def _failed(self, step: int, uri: str, exc: BaseException) -> None:
         message = f"{uri}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
         log.error("checkpoint step %d failed on rank %d: %s", step, self.rank, message)
-        self.report({"kind": "save_failed", "step": step, "rank": self.rank, "error": message})
+        self.report(SaveFailedReport(step, self.rank, error=message))
 
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the in-flight save (if any) is written or has failed, and its outcome
@@ -161,20 +157,3 @@ class RankCheckpointer:
             device_state = state.get(self.device.device_type)
             if self.device.is_accelerator and device_state is not None:
                 self.device.module.set_rng_state(device_state, self.device.index)
-
-
-class DieAfterWriting:
-    """Chaos: DCP's writer for `uri`, except that the process exits as soon as this rank's
-    shards are written, before the save completes (DCP's metadata is written only after every
-    rank's write results have arrived, and this rank never reports `saved`)."""
-
-    def __init__(self, uri: str, written: FileDigests):
-        self._writer = dcp_writer(uri, written)
-
-    def __getattr__(self, name: str):
-        return getattr(self._writer, name)
-
-    def write_data(self, plan, planner):
-        self._writer.write_data(plan, planner).wait()
-        log.warning("chaos: rank exits in the middle of a checkpoint save")
-        os._exit(1)

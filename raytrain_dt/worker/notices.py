@@ -18,6 +18,8 @@ import urllib.error
 import urllib.request
 from urllib.parse import urljoin
 
+from raytrain_dt.worker.reports import Notice
+
 log = logging.getLogger(__name__)
 
 SPOT_POLL_INTERVAL_S = 1.0
@@ -28,14 +30,14 @@ IMDS_TOKEN_PATH = "/latest/api/token"
 class NoticeBoard:
     def __init__(self, node_id: str):
         self.node_id = node_id
-        self.notice: dict | None = None
+        self.notice: Notice | None = None
         self._watching: str | None = None
         self._previous_sigterm = None
 
     def post(self, source: str, detail: str) -> None:
         if self.notice is None:
             log.warning("preemption notice (%s): %s", source, detail)
-            self.notice = {"source": source, "detail": detail, "time": time.time()}
+            self.notice = Notice(source, detail, time.time())
 
     # --- SIGTERM -----------------------------------------------------------------------------
     def catch_sigterm(self, grace_s: float) -> None:
@@ -45,7 +47,7 @@ class NoticeBoard:
             return
 
         def on_sigterm(signum, frame):
-            if self.notice is not None and self.notice["source"] == "sigterm":
+            if self.notice is not None and self.notice.source == "sigterm":
                 os._exit(1)
             self.post("sigterm", f"SIGTERM to pid {os.getpid()}; exiting in {grace_s:.0f}s")
             timer = threading.Timer(grace_s, os._exit, args=(1,))

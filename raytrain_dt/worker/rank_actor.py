@@ -8,14 +8,12 @@ frees the model so the same actor can join the next layout without re-importing 
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import json
 import logging
 import os
 import queue
 import socket
-import sys
 import threading
 import time
 import traceback
@@ -40,10 +38,17 @@ from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
+from raytrain_dt.worker.chaos import RankChaos
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.collective_timeout import set_collective_timeout
 from raytrain_dt.worker.input_stream import open_stream
+from raytrain_dt.worker.layout_release import (
+    abort_process_groups,
+    forget_layout_caches,
+    where_thread_is,
+)
 from raytrain_dt.worker.notices import NoticeBoard
+from raytrain_dt.worker.reports import RankStatus, TrainStateReport
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 
@@ -184,10 +189,17 @@ class RankWorker:
         weights = initial_weights(model_spec, spec.cfg.run.seed, init_from)
         # The engine materializes only this rank's shards (`models.materialize`).
         self.engine = build_engine(model_spec, spec.cfg, spec.layout, mesh, device, weights)
+        self._chaos = RankChaos(
+            spec.cfg.chaos,
+            spec.rank,
+            spec.cfg.chaos_step_delay_s,
+            wait_for_save=lambda: self.checkpointer.wait(),
+            reports=self._reports,
+            polls=lambda: self._polls,
+        )
         self.checkpointer = RankCheckpointer(
             self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save, device,
-            die_while_saving=[a.at_step for a in spec.cfg.chaos
-                              if a.action == "kill_rank_mid_save" and a.target == spec.rank],
+            die_while_saving=self._chaos.die_while_saving(),
         )  # fmt: skip
         timings["model_build_s"] = time.perf_counter() - t1
         # Reported in the `model_built` event (what building the model cost in host memory).
@@ -263,7 +275,7 @@ class RankWorker:
         spec = self.spec
         if spec.rank == 0:
             record = train_state_record(spec, step, consumed, self._tensor_shapes)
-            self._reports.put({"kind": "train_state", "step": step, "train_state": record})
+            self._reports.put(TrainStateReport(step, record))
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
 
     def verify_checkpoint(self, uri: str, files: dict[str, dict]) -> list[str]:
@@ -280,36 +292,10 @@ class RankWorker:
     def request_checkpoint_and_stop(self) -> None:
         self.checkpointer.request(stop=True)
 
-    def _chaos(self, step: int) -> None:
-        """Injected faults aimed at this rank, at the start of `step` (tests and demos). The
-        coordinator drops actions that already fired from the config of later layouts."""
-        if self.spec.cfg.chaos and self.spec.cfg.chaos_step_delay_s:
-            time.sleep(self.spec.cfg.chaos_step_delay_s)
-        for action in self.spec.cfg.chaos:
-            if action.at_step != step or action.target != self.spec.rank:
-                continue
-            if action.action == "kill_rank":
-                # The previous step's save is written and reported first, so the fault lands at
-                # the same point every run (otherwise whether that checkpoint commits is a race).
-                self.checkpointer.wait()
-                deadline = time.time() + 10
-                while not self._reports.empty() and time.time() < deadline:
-                    time.sleep(0.02)  # the coordinator's next poll collects them
-                # ... and has received them: its poll replies may still be in flight when the
-                # queue is empty, and die with the process. It polls again only after that.
-                drained_by = self._polls
-                while self._polls <= drained_by and time.time() < deadline:
-                    time.sleep(0.02)
-                log.warning("chaos: rank %d exits at step %d", self.spec.rank, step)
-                os._exit(1)
-            if action.action == "hang_rank":
-                log.warning("chaos: rank %d hangs at step %d", self.spec.rank, step)
-                threading.Event().wait()
-
     def free_port(self) -> int:
         return free_port()
 
-    def poll(self) -> dict:
+    def poll(self) -> RankStatus:
         self._polls += 1
         reports = []
         while True:
@@ -317,19 +303,14 @@ class RankWorker:
                 reports.append(self._reports.get_nowait())
             except queue.Empty:
                 break
-        if self._error:
-            state = "failed"
-        elif self._done:
-            state = "done"
-        else:
-            state = "running"
-        return {
-            "rank": self.spec.rank if self.spec else None,
-            "state": state,
-            "reports": reports,
-            "error": self._error,
-            "notice": self.notices.notice if self.notices else None,
-        }
+        state = "failed" if self._error else "done" if self._done else "running"
+        return RankStatus(
+            rank=self.spec.rank if self.spec else None,
+            state=state,
+            reports=reports,
+            error=self._error,
+            notice=self.notices.notice if self.notices else None,
+        )
 
     def full_state_dict(self) -> dict:
         """Gathered parameters (collective; every rank must be asked). For tests and export."""
@@ -356,8 +337,8 @@ class RankWorker:
             # Blocked in a collective with a dead or hung peer: abort the communicators (NCCL's
             # ncclCommAbort; the emulated backend's equivalent), which makes the collective
             # raise in the training thread, as torchft does, and wait for the thread once more.
-            where = _where_thread_is(self._torch_thread_id)
-            _abort_process_groups()
+            where = where_thread_is(self._torch_thread_id)
+            abort_process_groups()
             wait([self._training], timeout=grace_s)
             if not self._training.done():
                 log.warning("rank %s: training thread still busy %.1fs after aborting its "
@@ -377,60 +358,9 @@ class RankWorker:
         self._batches = None
         if dist.is_initialized():  # not after an abort, which has already dropped every group
             dist.destroy_process_group()
-        _forget_layout_caches()
+        forget_layout_caches()
         gc.collect()
         # The layout's model, optimizer and caches are garbage now: hand their accelerator
         # memory back and restart the peak statistic, so the next layout measures its own.
         if self._device is not None:
             release_accelerator_memory(self._device)
-
-
-def _abort_process_groups() -> None:
-    """Abort every process group of this process. On NCCL this is
-    ncclCommAbort on each communicator; gloo cannot be interrupted (a gloo-only rank blocked on
-    a hung peer stays blocked until `comm.timeout_s`)."""
-    if not dist.is_initialized():
-        return
-    try:
-        dist.distributed_c10d._abort_process_group()
-    except Exception:  # an abort must never fail a teardown
-        log.exception("aborting the process groups failed")
-
-
-def _where_thread_is(thread_id: int, depth: int = 6) -> str:
-    frame = sys._current_frames().get(thread_id)
-    return "".join(traceback.format_stack(frame)[-depth:]) if frame else "(gone)"
-
-
-def _forget_layout_caches() -> None:
-    """DTensor caches sharding and redistribution plans keyed by mesh *shape and names*, and
-    the cached results hold the old mesh, whose process-group names the next layout's groups
-    reuse. A reused actor must drop them all, or its collectives resolve to the wrong (or no)
-    group ("Could not resolve the process group registered under the name N").
-
-    These caches (and the C++ dispatch fast path's) are per thread: this runs on the actor's
-    torch thread, the one that ran every DTensor op of the layout."""
-
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_fast_path_sharding_prop_cache
-
-    _clear_fast_path_sharding_prop_cache()
-    # Redistribution planners are kept in a dict keyed by a weak reference to their mesh, but
-    # each planner holds the mesh itself: without this the old meshes, and through them the
-    # old layout's process groups (open connections and threads), lived on after teardown.
-    clear_redistribute_planner_cache()
-
-    propagator = DTensor._op_dispatcher.sharding_propagator
-    caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]
-    for name, module in list(sys.modules.items()):
-        if name.startswith("torch.distributed.tensor") and module is not None:
-            for value in vars(module).values():
-                caches.append(value)
-                if isinstance(value, type):  # cached static methods, e.g. MeshTopoInfo's
-                    caches.extend(getattr(value, attr, None) for attr in vars(value))
-    for cached in caches:
-        clear = getattr(cached, "cache_clear", None)
-        if callable(clear) and not isinstance(cached, type):
-            with contextlib.suppress(TypeError):  # a per-instance cache seen on its class
-                clear()

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from raytrain_dt.engines.base import Engine
 from raytrain_dt.observe.mfu import mfu
+from raytrain_dt.worker.reports import RankReport, StepMetrics, StepReport, StoppedReport
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ def run_loop(
     engine: Engine,
     batches: Iterator[dict],
     spec: LoopSpec,
-    report: Callable[[dict], None],
+    report: Callable[[RankReport], None],
     save_checkpoint: Callable[[int, int], None],
     stop: threading.Event,
     agree_save_requested: Callable[[], tuple[bool, bool]] = lambda: (False, False),
@@ -46,7 +47,8 @@ def run_loop(
 ) -> int:
     """Train steps [start_step, end_step); returns the number of steps completed in total.
 
-    Every rank reports each step with its memory (`measure_memory`); rank 0 adds the metrics.
+    Every rank reports each step (a `StepReport`) with its memory (`measure_memory`); rank 0
+    adds the metrics.
     """
     consumed = spec.consumed_samples
     tokens_per_step = spec.global_batch * spec.seq_len
@@ -61,29 +63,31 @@ def run_loop(
         result = engine.train_step([m["tokens"] for m in micro], step, [m["real"] for m in micro])
         step_time = time.perf_counter() - started
         consumed += spec.global_batch
-        # `finished_at`: the driver times steps by it (hang deadlines), free of its polling.
-        record: dict = {
-            "kind": "step",
-            "step": step + 1,
-            "consumed_samples": consumed,
-            "finished_at": time.time(),
-        }
-        record.update(measure_memory())
+        metrics = None
         if spec.report_metrics:
-            record.update(
+            tokens_per_s = tokens_per_step / step_time
+            metrics = StepMetrics(
                 loss=result.loss,
                 lr=result.lr,
                 grad_norm=result.grad_norm,
                 step_time_s=step_time,
                 data_wait_s=data_wait,
-                tokens_per_s=tokens_per_step / step_time,
+                tokens_per_s=tokens_per_s,
+                mfu=step_mfu(spec, tokens_per_s),
             )
-            if spec.peak_flops_per_rank:
-                record["mfu"] = mfu(spec.model_flops_per_token, record["tokens_per_s"],
-                                    spec.world_size, spec.peak_flops_per_rank)  # fmt: skip
+        sample_ids = None
         if spec.report_sample_ids:
-            record["sample_ids"] = [int(i) for m in micro for i in m["sample_id"][m["real"]]]
-        report(record)
+            sample_ids = [int(i) for m in micro for i in m["sample_id"][m["real"]]]
+        report(
+            StepReport(
+                step=step + 1,
+                consumed_samples=consumed,
+                finished_at=time.time(),
+                **measure_memory(),
+                metrics=metrics,
+                sample_ids=sample_ids,
+            )
+        )
         completed = step + 1
         # Collective: every rank gets the same answer at the same boundary.
         requested, stop_now = agree_save_requested()
@@ -93,6 +97,13 @@ def run_loop(
         if scheduled or requested or stop_now:
             save_checkpoint(completed, consumed)
         if stop_now:
-            report({"kind": "stopped", "step": completed})
+            report(StoppedReport(completed))
             return completed
     return spec.end_step
+
+
+def step_mfu(spec: LoopSpec, tokens_per_s: float) -> float | None:
+    """The step's model FLOPs utilization; None where the peak FLOP/s is unknown."""
+    if not spec.peak_flops_per_rank:
+        return None
+    return mfu(spec.model_flops_per_token, tokens_per_s, spec.world_size, spec.peak_flops_per_rank)

@@ -9,12 +9,22 @@ peers fail, as gloo peers do.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_dt.checkpoint.digests import FileDigests, verify_files
 from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.recovery import NODE_DIED
+from raytrain_dt.worker.reports import (
+    Notice,
+    RankReport,
+    RankStatus,
+    SavedReport,
+    StepMetrics,
+    StepReport,
+    TrainStateReport,
+)
 
 ACCELERATORS_PER_NODE = 2
 
@@ -41,7 +51,7 @@ class FakeSlot:
     pid: int = 0
     state: str = "running"
     error: str | None = None
-    notice: dict | None = None
+    notice: Notice | None = None
 
 
 class FakeRankGroup:
@@ -79,29 +89,36 @@ class FakeRankGroup:
     def master_endpoint(self) -> tuple[str, int]:
         return "127.0.0.1", 1
 
-    def call(self, method: str, per_rank_args=None, timeout_s=None):
-        if method == "setup":
-            if self.setup_hangs:
-                raise TimeoutError(f"Get timed out: some object(s) not ready after {timeout_s}s")
-            spec = per_rank_args[0][0]
-            self.step, self.end, self.every = (
-                spec.start_step,
-                spec.end_step,
-                spec.cfg.checkpoint.every_steps,
-            )
-            self.consumed = spec.data.consumed_samples
-            self.global_batch = spec.layout.global_batch
-            self.hung, self._stop_requested = False, False
-            return [{"process_group_s": 0.01, "model_build_s": 0.02, "checkpoint_load_s": 0.03,
-                     "data_start_s": 0.04} for _ in self.slots]  # fmt: skip
-        if method == "verify_checkpoint":  # each rank checks its share, as the real ones do
-            self.verified.append({name for _, files in per_rank_args for name in files})
-            return [verify_files(uri, files) for uri, files in per_rank_args]
-        return [None for _ in self.slots]
+    def setup(self, specs: list, timeout_s: float | None = None) -> list[dict]:
+        if self.setup_hangs:
+            raise TimeoutError(f"Get timed out: some object(s) not ready after {timeout_s}s")
+        spec = specs[0]
+        self.step, self.end, self.every = (
+            spec.start_step,
+            spec.end_step,
+            spec.cfg.checkpoint.every_steps,
+        )
+        self.consumed = spec.data.consumed_samples
+        self.global_batch = spec.layout.global_batch
+        self.hung, self._stop_requested = False, False
+        return [{"process_group_s": 0.01, "model_build_s": 0.02, "checkpoint_load_s": 0.03,
+                 "data_start_s": 0.04} for _ in self.slots]  # fmt: skip
 
-    def try_call(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
-        if method == "request_checkpoint_and_stop":
-            self._stop_requested = True
+    def verify_checkpoint(
+        self, uri: str, shares: list[dict[str, dict]], timeout_s: float | None = None
+    ) -> list[list[str]]:
+        # Each rank checks its share, as the real ones do.
+        self.verified.append({name for files in shares for name in files})
+        return [verify_files(uri, files) for files in shares]
+
+    def start(self) -> None:
+        pass
+
+    def teardown(self, grace_s: float, timeout_s: float = 30.0) -> list[int]:
+        return []
+
+    def request_checkpoint_and_stop(self, timeout_s: float = 30.0) -> list[int]:
+        self._stop_requested = True
         return []
 
     def drop(self, ranks: list[int]) -> None:
@@ -114,7 +131,7 @@ class FakeRankGroup:
     def warm(self, node_id: str, count: int) -> None:
         self.starting += [FakeSlot(node_id) for _ in range(count)]
 
-    def collect_warm(self, timeout_s: float = 0.0) -> None:
+    def collect_warm(self, timeout_s: float = 0.0, give_up_s: float = 300.0) -> None:
         self.idle += self.starting
         self.starting = []
 
@@ -131,7 +148,7 @@ class FakeRankGroup:
         self.idle = [s for s in self.idle if s.node_id not in node_ids]
         self.starting = [s for s in self.starting if s.node_id not in node_ids]
 
-    def poll(self) -> list[dict]:
+    def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         running = all(s.state == "running" for s in self.slots)
         reports = [[] for _ in self.slots]
         if running and not self.hung and self.step < self.end:
@@ -147,8 +164,8 @@ class FakeRankGroup:
         if self.step == self.end and running:
             for slot in self.slots:
                 slot.state = "done"
-        return [{"rank": r, "state": s.state, "reports": reports[r], "error": s.error,
-                 "notice": s.notice, "node_id": s.node_id} for r, s in enumerate(self.slots)]  # fmt: skip
+        return [RankStatus(r, s.state, reports[r], s.error, s.notice, s.node_id)
+                for r, s in enumerate(self.slots)]  # fmt: skip
 
     # --- what a test scripts -----------------------------------------------------------------
     def kill_node(self, node: str) -> None:
@@ -169,27 +186,25 @@ class FakeRankGroup:
                 slot.state, slot.error = "failed", "RuntimeError: Connection closed by peer"
 
     def notice(self, rank: int, source: str = "sigterm") -> None:
-        self.slots[rank].notice = {"source": source, "detail": "scripted", "time": 0.0}
+        self.slots[rank].notice = Notice(source, "scripted", 0.0)
 
     # --- internals ---------------------------------------------------------------------------
-    def _step_report(self, rank: int) -> dict:
-        report = {"kind": "step", "step": self.step, "consumed_samples": self.consumed,
-                  "mem_allocated_bytes": 1, "mem_peak_bytes": 1}  # fmt: skip
+    def _step_report(self, rank: int) -> StepReport:
+        metrics = None
         if rank == 0:
-            report.update(loss=1.0, lr=1e-3, grad_norm=1.0, tokens_per_s=100.0, step_time_s=0.01,
-                          data_wait_s=0.0)  # fmt: skip
-        return report
+            metrics = StepMetrics(loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.01,
+                                  data_wait_s=0.0, tokens_per_s=100.0)  # fmt: skip
+        return StepReport(self.step, self.consumed, finished_at=time.time(),
+                          mem_allocated_bytes=1, mem_peak_bytes=1, metrics=metrics)  # fmt: skip
 
-    def _save(self, reports: list[list[dict]]) -> None:
+    def _save(self, reports: list[list[RankReport]]) -> None:
         step_dir = self.checkpoint_root / f"step_{self.step}"
         step_dir.mkdir(parents=True, exist_ok=True)
-        reports[0].append({"kind": "train_state", "step": self.step, "train_state": {
-            "step": self.step, "consumed_samples": self.consumed}})  # fmt: skip
+        train_state = {"step": self.step, "consumed_samples": self.consumed}
+        reports[0].append(TrainStateReport(self.step, train_state))
         for rank in range(self.world_size):
             written = FileDigests()
             shard = f"shard_{rank}.bin"
             (step_dir / shard).write_bytes(b"x" * (rank + 1))
             written.add_bytes(shard, b"x" * (rank + 1))
-            reports[rank].append(
-                {"kind": "saved", "step": self.step, "rank": rank, "files": written.manifest()}
-            )
+            reports[rank].append(SavedReport(self.step, rank, str(step_dir), written.manifest()))

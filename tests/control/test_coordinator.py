@@ -25,6 +25,7 @@ from raytrain_dt.control.states import (
     Waiting,
 )
 from raytrain_dt.observe.metrics import read_jsonl
+from raytrain_dt.worker.reports import RankStatus
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -300,14 +301,10 @@ def test_capacity_request_bounds():
 
 
 def test_lost_with_node_tells_a_dead_process_from_a_dead_node():
-    dead = {"state": "dead", "node_id": "b", "error": "worker process has died"}
-    peer_failed = {"state": "failed", "node_id": "b", "error": "gloo"}
+    dead = RankStatus(0, "dead", node_id="b", error="worker process has died")
+    peer_failed = RankStatus(1, "failed", node_id="b", error="gloo")
     assert lost_with_node([dead, peer_failed], ["a", "a", "b", "b"]) == set()
     assert lost_with_node([dead, dead], ["a", "a", "b", "b"]) == {"b"}
     assert lost_with_node([dead], ["a", "b"]) == set()
-    by_node = {
-        "state": "dead",
-        "node_id": "b",
-        "error": "The actor died because its node has died.",
-    }
+    by_node = RankStatus(0, "dead", node_id="b", error="The actor died because its node has died.")
     assert lost_with_node([by_node], ["a", "b"]) == {"b"}

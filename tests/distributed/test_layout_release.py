@@ -5,7 +5,7 @@ build the FSDP2 engine over a dp_shard=2 x dp_replicate=1 mesh, train one step, 
 actor's own `_release_layout`. Every group the mesh created must then be gone: a group kept alive
 keeps its gloo connections open, so a peer blocked in a collective with a failed rank waits out
 the collective timeout instead of failing at once, and every re-formation leaks sockets and
-threads (DTensor's redistribute-planner cache held the meshes until `_forget_layout_caches`
+threads (DTensor's redistribute-planner cache held the meshes until `forget_layout_caches`
 cleared it).
 """
 

@@ -112,7 +112,7 @@ def test_ledger_lists_only_real_samples_once(token_data):
         reports: list[dict] = []
         run_loop(engine, batches, spec, reports.append, lambda *a: None, threading.Event())
         for rep in reports:
-            by_step.setdefault(rep["step"], []).extend(rep["sample_ids"])
+            by_step.setdefault(rep.step, []).extend(rep.sample_ids)
     assert engine.real_rows == steps * g
     for step, ids in by_step.items():  # step k (1-based) consumed positions [(k-1)G, kG) + 16
         expected = sample_ids(

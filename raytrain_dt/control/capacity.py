@@ -1,0 +1,92 @@
+"""Capacity: what to ask of the autoscaler, which actors to start ahead of need, and which of
+the cluster's accelerators the policy may plan for (only those whose actors have started).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, replace
+
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.control.cluster import ClusterView, NodeInfo
+from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.policies import capacity_request
+from raytrain_dt.control.run_state import RunState
+from raytrain_dt.observe.metrics import RunRecorder
+
+
+@dataclass
+class Capacity:
+    cfg: TrainConfig
+    resource: str
+    cluster: ClusterView
+    group: RankGroupLike
+    run: RunState
+    recorder: RunRecorder
+
+    def request(self, nodes: tuple[NodeInfo, ...]) -> None:
+        """Ask the autoscaler for what the run can use (only when that changes)."""
+        bundles = capacity_request(self.cfg.elastic, self.resource, nodes,
+                                   self.cfg.cluster.accelerators_per_node, self.cfg.cluster.num_ranks)  # fmt: skip
+        if bundles != self.run.capacity_requested:
+            self.run.capacity_requested = bundles
+            self.cluster.request_capacity(bundles)
+            self.recorder.event("capacity_request", bundles=bundles)
+
+    def warm(
+        self, nodes: tuple[NodeInfo, ...], draining: frozenset[str], waiting: bool
+    ) -> tuple[NodeInfo, ...]:
+        """Start actors ahead of need where a node has room for more than the group has
+        there (a dead rank's replacement, a node that joined), up to the ranks the run can
+        use; and show the policy only capacity with started actors. So a failure re-forms at
+        once on the survivors, an arrival is planned for once its actors have imported torch,
+        and either grows the group through the normal grow path (a just-in-time checkpoint at
+        a step boundary) once the new actors are warm: all of them, so that it grows once
+        (while a group runs, the policy sees only its ranks until then; after a failure, a
+        node without survivors shows once its actors are all up). `waiting`: the run waits
+        for capacity (survivors too few to train)."""
+        group = self.group
+        if not self.run.formed:
+            return nodes  # the first formation starts its actors itself
+        group.drop_spares({a.node_id for a in [*group.idle, *group.starting]}
+                          - {n.node_id for n in nodes})  # fmt: skip
+        group.collect_warm()
+        if self._recovering_on_survivors(waiting):
+            # Survivors re-form first and replacements start after its first step: a new
+            # actor's start (a Python process importing torch) would take the CPU the
+            # re-formation needs (on a shared host, or where CPUs are few). Plan for the
+            # actors that have started.
+            started = {n.node_id: group.actors_on(n.node_id) - group.starting_on(n.node_id)
+                       for n in nodes}  # fmt: skip
+            shown = [
+                replace(n, accelerators=min(n.accelerators, started[n.node_id])) for n in nodes
+            ]
+            return tuple(n for n in shown if n.accelerators > 0)
+        usable = [n for n in nodes if n.node_id not in draining]
+        budget = self.cfg.cluster.num_ranks or sum(n.accelerators for n in usable)
+        budget -= group.actor_count()
+        for node in usable:
+            room = min(node.accelerators - group.actors_on(node.node_id), budget)
+            if room > 0:
+                group.warm(node.node_id, room)
+                budget -= room
+        if not (group.slots or group.idle):
+            return nodes  # nothing else could train sooner: the formation waits for them
+        if group.starting and self.run.layout is not None:
+            # A running group grows once every actor being started is up: one resize.
+            ranks = Counter(s.node_id for s in group.slots)
+            return tuple(
+                replace(n, accelerators=ranks[n.node_id]) for n in nodes if ranks[n.node_id]
+            )
+        survivors = {s.node_id for s in group.slots}
+        shown = [replace(n, accelerators=n.accelerators - group.starting_on(n.node_id))
+                 for n in nodes if n.node_id in survivors or not group.starting_on(n.node_id)]  # fmt: skip
+        return tuple(n for n in shown if n.accelerators > 0)
+
+    def _recovering_on_survivors(self, waiting: bool) -> bool:
+        """Reusable actors are being re-formed (after a failure: no layout runs) or their new
+        layout has not completed its first step. Not while waiting: the survivors were too
+        few to train, and the capacity they wait for must be started."""
+        if not (self.group.slots or self.group.idle) or waiting:
+            return False
+        return self.run.layout is None or self.run.formation_timer is not None

@@ -1,0 +1,116 @@
+"""Watching the running group: poll the ranks, take in their reports (progress, metrics and
+the sample ledger, checkpoint saves for the tracker, preemption notices), and tell what comes
+next: finished, a failure or a hang (handed to recovery), or a decision due (a periodic check
+of the cluster). It fires the driver's node chaos as the run reaches its steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from tqdm import tqdm
+
+from raytrain_dt.control.chaos import CHAOS_ARRIVAL_WAIT_S, Chaos
+from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
+from raytrain_dt.control.deadlines import Deadlines
+from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.recovery import POLL_INTERVAL_S, Recovery, broken_statuses
+from raytrain_dt.control.run_state import RunState
+from raytrain_dt.control.states import Deciding, Finished, Running, State
+from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.topology.layout import Layout
+from raytrain_dt.worker.reports import RankStatus, StepReport, StoppedReport
+
+log = logging.getLogger("raytrain_dt.control.coordinator")
+
+# How often a running group's cluster is looked at for a decision (seconds).
+CLUSTER_CHECK_INTERVAL_S = 0.5
+
+
+@dataclass
+class GroupWatch:
+    run: RunState
+    group: RankGroupLike
+    recorder: RunRecorder
+    deadlines: Deadlines
+    chaos: Chaos
+    bar: tqdm
+    # notice(node, source, detail): a preemption notice for a node the group uses.
+    notice: Callable[[str, str, str], None]
+    recovery: Recovery | None = None  # set once built (it takes this watch's reports)
+    tracker: CheckpointTracker | None = None  # the formed layout's (one per formation)
+
+    def handle_reports(self, statuses: list[RankStatus]) -> None:
+        run = self.run
+        # The layout that sent them (after a failure, the group is still the old layout's).
+        layout = run.layout or run.previous_layout
+        dims = layout.dims
+        for status in statuses:
+            notice = status.notice
+            if notice and status.state != "dead":
+                node = self.group.slots[status.rank].node_id
+                if node not in run.draining | run.lost_nodes:
+                    self.notice(node, notice.source, notice.detail)
+            for report in status.reports:
+                if isinstance(report, StepReport):
+                    self.recorder.rank_step(status.rank, report.as_record())
+                    if report.sample_ids is not None:
+                        self.recorder.step_samples(report.step, dims.coords(status.rank).dp,
+                                                   dims.dp, report.sample_ids)  # fmt: skip
+                    if report.metrics is not None:
+                        self._on_step(report, layout)
+                elif not isinstance(report, StoppedReport):
+                    self.tracker.on_report(report)
+
+    def _on_step(self, report: StepReport, layout: Layout) -> None:
+        run = self.run
+        self.recorder.step_metrics(report.as_record(), layout.dims.world_size, layout.describe())
+        self.bar.update(report.step - self.bar.n)
+        self.bar.set_postfix(loss=f"{report.metrics.loss:.4f}",
+                             tok_s=f"{report.metrics.tokens_per_s:.0f}",
+                             world=layout.dims.world_size)  # fmt: skip
+        run.step, run.last_progress = report.step, time.time()
+        self.deadlines.step_finished(report.finished_at)
+        run.streak.progressed(run.step)
+        if run.formation_timer is not None:  # the whole breakdown, first step included
+            timer, run.formation_timer = run.formation_timer, None
+            self.recorder.event("first_step", step=run.step, **timer.first_step())
+
+    def check(self) -> State:
+        """One look at the running group: its reports, failures, hangs, chaos and the
+        periodic check of the cluster (a decision due)."""
+        run = self.run
+        statuses = self.group.poll()
+        self.handle_reports(statuses)
+        broken = broken_statuses(statuses)
+        if broken:
+            return self.recovery.on_failure("failed", broken)
+        run.last_healthy = time.perf_counter()
+        if all(s.state == "done" for s in statuses):
+            return Finished(run.step)
+        bound = self.deadlines.hang_bound(saving=bool(self.tracker.in_flight))
+        if time.time() - run.last_progress > bound.seconds:
+            log.warning(
+                "no step completed for %.0fs (%s): the group is hung", bound.seconds, bound.detail
+            )
+            return self.recovery.on_failure("hung", [], bound)
+        young = time.time() - run.last_formed_at < CHAOS_ARRIVAL_WAIT_S
+        warming = bool(self.group.starting or self.group.idle)
+        self.chaos.fire_node_actions(
+            run.step,
+            run.layout_nodes,
+            settled=not (young and (self.tracker.last_committed is None or warming)),
+            node_of_rank=self.node_of_rank,
+            notice=self.notice,
+        )
+        if time.time() - run.last_cluster_check > CLUSTER_CHECK_INTERVAL_S:
+            run.last_cluster_check = time.time()
+            return Deciding("notice" if run.draining else "ok", pause_s=POLL_INTERVAL_S)
+        time.sleep(POLL_INTERVAL_S)
+        return Running()
+
+    def node_of_rank(self, rank: int) -> str:
+        return self.group.slots[min(rank, self.group.world_size - 1)].node_id

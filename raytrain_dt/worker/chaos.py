@@ -1,0 +1,95 @@
+"""Rank-side fault injection (tests and demos): the faults a chaos config aims at one rank.
+
+`kill_rank` and `hang_rank` fire at the start of their step, inside the rank's train loop;
+`kill_rank_mid_save` exits once this rank's shards of that step's save are written. Node-level
+faults are the driver's (`control/chaos.py`). The coordinator drops actions that already fired
+from the config it hands to later layouts, so each fires once per run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+
+from raytrain_dt.checkpoint.digests import FileDigests
+from raytrain_dt.checkpoint.storage import dcp_writer
+from raytrain_dt.config.schema import ChaosAction
+
+log = logging.getLogger("raytrain_dt.rank")
+
+# How long a rank about to exit waits for the coordinator to collect its queued reports.
+REPORTS_COLLECTED_WAIT_S = 10.0
+
+
+class RankChaos:
+    def __init__(
+        self,
+        actions: list[ChaosAction],
+        rank: int,
+        step_delay_s: float,
+        wait_for_save: Callable[[], object],
+        reports: queue.Queue,
+        polls: Callable[[], int],
+    ):
+        """`wait_for_save`: blocks until the save in flight is reported; `reports`: the
+        queue the coordinator's polls drain; `polls`: how many polls the actor has answered."""
+        self.actions = [a for a in actions if a.target == rank]
+        self.any_actions = bool(actions)
+        self.rank = rank
+        self.step_delay_s = step_delay_s
+        self.wait_for_save = wait_for_save
+        self.reports = reports
+        self.polls = polls
+
+    def die_while_saving(self) -> list[int]:
+        """The steps whose save this rank dies in the middle of (`DieAfterWriting`)."""
+        return [a.at_step for a in self.actions if a.action == "kill_rank_mid_save"]
+
+    def __call__(self, step: int) -> None:
+        """Fire the faults aimed at this rank at the start of `step`."""
+        if self.any_actions and self.step_delay_s:
+            time.sleep(self.step_delay_s)  # lets a chaos story play out with tiny steps
+        for action in self.actions:
+            if action.at_step != step:
+                continue
+            if action.action == "kill_rank":
+                self._wait_until_reports_collected()
+                log.warning("chaos: rank %d exits at step %d", self.rank, step)
+                os._exit(1)
+            if action.action == "hang_rank":
+                log.warning("chaos: rank %d hangs at step %d", self.rank, step)
+                threading.Event().wait()
+
+    def _wait_until_reports_collected(self) -> None:
+        # The previous step's save is written and reported first, so the fault lands at the
+        # same point every run (otherwise whether that checkpoint commits is a race).
+        self.wait_for_save()
+        deadline = time.time() + REPORTS_COLLECTED_WAIT_S
+        while not self.reports.empty() and time.time() < deadline:
+            time.sleep(0.02)  # the coordinator's next poll collects them
+        # ... and has received them: its poll replies may still be in flight when the queue
+        # is empty, and die with the process. It polls again only after that.
+        drained_by = self.polls()
+        while self.polls() <= drained_by and time.time() < deadline:
+            time.sleep(0.02)
+
+
+class DieAfterWriting:
+    """Chaos: DCP's writer for `uri`, except that the process exits as soon as this rank's
+    shards are written, before the save completes (DCP's metadata is written only after every
+    rank's write results have arrived, and this rank never reports `saved`)."""
+
+    def __init__(self, uri: str, written: FileDigests):
+        self._writer = dcp_writer(uri, written)
+
+    def __getattr__(self, name: str):
+        return getattr(self._writer, name)
+
+    def write_data(self, plan, planner):
+        self._writer.write_data(plan, planner).wait()
+        log.warning("chaos: rank exits in the middle of a checkpoint save")
+        os._exit(1)
