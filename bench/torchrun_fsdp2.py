@@ -30,6 +30,7 @@ def train_fn(config: dict) -> None:
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
 
     started = time.perf_counter()
@@ -40,7 +41,7 @@ def train_fn(config: dict) -> None:
     layout = Layout.from_dict(config["layout"])
     dims = layout.dims
     device = select_device(cfg.engine.precision)
-    mesh = dims.build_mesh(device.device_type)
+    mesh = build_mesh(dims, device.device_type)
     engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     steps = cfg.trainer.steps

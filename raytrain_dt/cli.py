@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_dt.checkpoint.cli import add_ckpt_arguments
+from raytrain_dt.ckpt_cli import add_ckpt_arguments
 from raytrain_dt.doctor.cli import add_doctor_arguments
 from raytrain_dt.errors import UserError
 from raytrain_dt.sim.cli import add_simulate_arguments

@@ -11,7 +11,6 @@ import time
 from dataclasses import asdict, dataclass
 
 from raytrain_dt.config.schema import ElasticConfig, TrainConfig, validate
-from raytrain_dt.control.cluster import planning_topology
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.errors import UserError
 from raytrain_dt.sim import policies
@@ -20,6 +19,7 @@ from raytrain_dt.sim.engine import SimResult, node_name
 from raytrain_dt.sim.loop import Simulation
 from raytrain_dt.sim.planner import SimPlanner
 from raytrain_dt.sim.trace import StepTrace, Trace
+from raytrain_dt.topology.nodes import planning_topology
 
 # Elastic settings for a week on 1,024 nodes: restarts and waits are routine there, so the
 # limits that guard a small run are lifted (a second node lost before the first step after a

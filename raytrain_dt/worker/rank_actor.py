@@ -37,9 +37,11 @@ from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.engines.factory import build_engine
+from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
+from raytrain_dt.parallel.device_mesh import build_mesh
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.collective_timeout import set_collective_timeout
 from raytrain_dt.worker.input_stream import open_stream
@@ -172,7 +174,7 @@ class RankWorker:
             world_size=spec.world_size,
             timeout=set_collective_timeout(spec.cfg.comm.timeout_s),
         )
-        mesh = spec.layout.dims.build_mesh(device.device_type)
+        mesh = build_mesh(spec.layout.dims, device.device_type)
         timings["process_group_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -262,7 +264,8 @@ class RankWorker:
     def _save(self, step: int, consumed: int) -> None:
         spec = self.spec
         if spec.rank == 0:
-            record = train_state_record(spec, step, consumed, self._tensor_shapes)
+            next_lr = scheduled_lr(spec.cfg.trainer, step)
+            record = train_state_record(spec, step, consumed, self._tensor_shapes, next_lr)
             self._reports.put({"kind": "train_state", "step": step, "train_state": record})
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
 

@@ -78,6 +78,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.materialize import initial_weights
     from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
 
     cfg, layout = job.cfg, job.layout
     dims = layout.dims
@@ -92,7 +93,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     try:
-        mesh = dims.build_mesh(device.device_type)
+        mesh = build_mesh(dims, device.device_type)
         spec = model_spec(cfg)  # our preset, or `model.hf`
         weights = initial_weights(spec, cfg.run.seed, job.init_from)
         engine = build_engine(spec, cfg, layout, mesh, device, weights)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from raytrain_dt.checkpoint.initial import DirectoryWeights
 from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.hf_weights import DirectoryWeights
 from raytrain_dt.models.llama import rope_cache
 from raytrain_dt.models.materialize import (
     ParamInit,
