@@ -61,8 +61,8 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config.schema import TrainConfig
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
+    from raytrain_dt.models.model_spec import llama_spec
     from raytrain_dt.models.presets import ModelShape
-    from raytrain_dt.models.spec import llama_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims

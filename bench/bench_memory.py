@@ -101,7 +101,7 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
 
     cfg, layout = make_config(engine_name), make_layout(zero, degrees)

@@ -79,7 +79,7 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
 
     from raytrain_dt.accel.device import host_memory, reset_host_peak, select_device
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
@@ -117,7 +117,7 @@ def _whole_model(model: dict, results) -> None:
     import torch
 
     from raytrain_dt.accel.device import host_memory, reset_host_peak
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
 
     torch.set_num_threads(1)
     cfg = make_config(model)

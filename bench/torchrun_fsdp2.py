@@ -25,11 +25,11 @@ def train_fn(config: dict) -> None:
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config import load_config
+    from raytrain_dt.data.input_pipeline import DataSlice
     from raytrain_dt.data.order import sample_ids
-    from raytrain_dt.data.pipeline import DataSlice
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
 

@@ -16,7 +16,7 @@ from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
 from raytrain_dt.models.llama import next_token_loss
-from raytrain_dt.models.spec import model_spec
+from raytrain_dt.models.model_spec import model_spec
 from raytrain_dt.tools.checkpoint_convert import read_flat_state
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 from raytrain_dt.checkpoint.store import CheckpointRef
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.data.pipeline import DataSlice
+from raytrain_dt.data.input_pipeline import DataSlice
 from raytrain_dt.data.prepare import prepare_dataset
 from raytrain_dt.data.source import TokenDataset
+from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.models.presets import ModelShape
-from raytrain_dt.models.spec import ModelSpec, model_spec
 from raytrain_dt.topology.layout import Layout
 
 # The driver's planning (also the simulator's, without Ray) lives in topology/run_plan.py; the

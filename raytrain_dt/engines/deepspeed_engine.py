@@ -44,7 +44,7 @@ from raytrain_dt.models.materialize import (
     read_flat,
     unique_parameters,
 )
-from raytrain_dt.models.spec import ModelSpec
+from raytrain_dt.models.model_spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
 from raytrain_dt.topology.pins import engine_refusal

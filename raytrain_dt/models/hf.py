@@ -26,7 +26,7 @@ from torch import nn
 from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.hf_config import has_weights, load_config, shape_of
 from raytrain_dt.models.materialize import ParamInit
-from raytrain_dt.models.spec import ModelParts, ModelSpec
+from raytrain_dt.models.model_spec import ModelParts, ModelSpec
 
 HF_PARTS = ModelParts(
     blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head")

@@ -147,7 +147,7 @@ def write_fsdp2(
 def _deepspeed_engine(shape: ModelShape, cfg: TrainConfig, layout: Layout):
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
-    from raytrain_dt.models.spec import llama_spec
+    from raytrain_dt.models.model_spec import llama_spec
 
     device = select_device("fp32")  # master weights and Adam moments are fp32 in both formats
     mesh = build_mesh(layout.dims, device.device_type)

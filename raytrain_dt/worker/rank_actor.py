@@ -39,7 +39,7 @@ from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
-from raytrain_dt.models.spec import llama_spec
+from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.parallel.device_mesh import build_mesh
 from raytrain_dt.worker.checkpointing import RankCheckpointer

@@ -42,7 +42,7 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims

@@ -151,7 +151,7 @@ def test_resuming_into_another_model_shape_is_one_error_before_anything_starts(t
 def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trained):
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
-    from raytrain_dt.models.spec import llama_spec
+    from raytrain_dt.models.model_spec import llama_spec
     from raytrain_dt.tools.checkpoint_convert import single_process_group
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
