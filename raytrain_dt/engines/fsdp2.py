@@ -95,6 +95,8 @@ def _recomputed_in_backward(forward):
 
 
 class FSDP2Engine:
+    supports_async_save = True
+
     def __init__(
         self,
         spec: ModelSpec,

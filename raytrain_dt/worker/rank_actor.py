@@ -201,9 +201,7 @@ class RankWorker:
             self.checkpointer.restore_rng(spec.resume_from)
         timings["checkpoint_load_s"] = time.perf_counter() - t_load
         t_warm = time.perf_counter()
-        warm_up = getattr(self.engine, "warm_up", None)
-        if warm_up is not None:  # the first step's one-time costs, paid here (see __init__)
-            warm_up()
+        self.engine.warm_up()  # the first step's one-time costs, paid here (see __init__)
         timings["warm_up_s"] = time.perf_counter() - t_warm
 
         t2 = time.perf_counter()
