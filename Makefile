@@ -26,6 +26,7 @@ demo: install
 test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 
 # On a GPU machine: doctor on CUDA, then the `gpu`-marked tests (deselected everywhere else).

@@ -61,8 +61,9 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config.schema import TrainConfig
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
+    from raytrain_dt.models.model_spec import llama_spec
     from raytrain_dt.models.presets import ModelShape
-    from raytrain_dt.models.spec import llama_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer
@@ -73,7 +74,7 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     device = select_device("fp32")
     layout = Layout(ParallelDims(world_size=WORLD, dp_shard=WORLD), 3, 1, 1)
-    mesh = layout.dims.build_mesh(device.device_type)
+    mesh = build_mesh(layout.dims, device.device_type)
     cfg = TrainConfig()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=SEQ_LEN))
     engine = FSDP2Engine(llama_spec(ModelShape(**SHAPE)), cfg, layout, mesh, device)
@@ -170,7 +171,7 @@ def bench_consolidate(checkpoint: Path, out: Path) -> dict:
         {"engine": "fsdp2", "model_shape": SHAPE, "seq_len": SEQ_LEN, "step": 0},
         digest_tree(str(checkpoint)),  # here this process stands for the ranks that wrote it
     )
-    imports = "import raytrain_dt.checkpoint.cli, raytrain_dt.checkpoint.export, raytrain_dt.cli"
+    imports = "import raytrain_dt.ckpt_cli, raytrain_dt.checkpoint.export, raytrain_dt.cli"
     baseline = peak_rss(imports)
     t0 = time.perf_counter()
     run = f"{imports}\nraytrain_dt.cli.main(['ckpt', 'consolidate', {str(checkpoint)!r}, '--out', {str(out)!r}])"

@@ -4,7 +4,7 @@ how fast the Ray Data pipeline delivers when drained alone against how fast trai
 (a) `raytrain-dt train` on the overhead workload (~100 ms steps on a quiet
     CPU): rank 0's `data_wait_s` (time to pull the step's micro-batches) over `step_time_s`,
     summed over the steady-state steps, median over repeats.
-(b) The same rank's pipeline (`data.pipeline.iterate_micro_batches`, same DataSlice, same
+(b) The same rank's pipeline (`data.input_pipeline.iterate_micro_batches`, same DataSlice, same
     prefetch) drained with no training in an embedded Ray instance: samples/s after the first
     batch, median over repeats, against the consumption rate of that rank in (a).
 Writes bench/results/input.json. Run: python bench/bench_input.py
@@ -39,7 +39,7 @@ def drain_rate(repeats: int) -> list[float]:
     import ray
 
     from raytrain_dt.config import load_config
-    from raytrain_dt.data.pipeline import DataSlice, iterate_micro_batches
+    from raytrain_dt.data.input_pipeline import DataSlice, iterate_micro_batches
     from raytrain_dt.data.source import TokenDataset
 
     cfg = load_config(common.RECIPE, common.workload_overrides(PRESET, SEQ_LEN, 1, GLOBAL_BATCH))

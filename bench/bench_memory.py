@@ -101,7 +101,8 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
 
     cfg, layout = make_config(engine_name), make_layout(zero, degrees)
     dims = layout.dims
@@ -116,7 +117,7 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
         timeout=datetime.timedelta(seconds=60),
     )
     try:
-        mesh = dims.build_mesh("cpu")
+        mesh = build_mesh(dims, "cpu")
         engine = build_engine(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
         out: dict = {"rank": rank, "accum_grads": None, "fwd_params": None}
         if engine_name == "deepspeed":

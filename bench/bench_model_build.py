@@ -79,7 +79,8 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
 
     from raytrain_dt.accel.device import host_memory, reset_host_peak, select_device
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.rank_actor import import_lazy_torch_modules
@@ -96,7 +97,7 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     layout = Layout(ParallelDims(world_size=WORLD, dp_shard=WORLD), 3, 1, 1)
     engine = build_engine(
-        model_spec(cfg), cfg, layout, layout.dims.build_mesh("cpu"), select_device("fp32")
+        model_spec(cfg), cfg, layout, build_mesh(layout.dims, "cpu"), select_device("fp32")
     )
     built = host_memory()["host_rss_peak_bytes"]
     build_s = time.perf_counter() - started
@@ -116,7 +117,7 @@ def _whole_model(model: dict, results) -> None:
     import torch
 
     from raytrain_dt.accel.device import host_memory, reset_host_peak
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
 
     torch.set_num_threads(1)
     cfg = make_config(model)

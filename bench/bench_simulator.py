@@ -15,10 +15,10 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_dt.sim.cli import DEFAULT_CKPT_MINUTES, SWEEP_MINUTES
 from raytrain_dt.sim.costs import Costs
-from raytrain_dt.sim.planner import SimPlanner
 from raytrain_dt.sim.runner import Setup, compare, scale_config
+from raytrain_dt.sim.sim_planner import SimPlanner
+from raytrain_dt.sim.simulate_cli import DEFAULT_CKPT_MINUTES, SWEEP_MINUTES
 from raytrain_dt.sim.trace import DAY, TraceSpec, synthetic_trace
 from raytrain_dt.topology.plan_cli import DEFAULT_TOKENS_PER_STEP
 

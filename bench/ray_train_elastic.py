@@ -34,7 +34,8 @@ def train_fn(config: dict) -> None:
     from raytrain_dt.data.order import rank_positions, sample_ids
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
 
@@ -43,7 +44,7 @@ def train_fn(config: dict) -> None:
     gb = cfg.trainer.global_batch
     layout = Layout(ParallelDims(world_size=world, dp_shard=world), 3, gb // world, 1)
     device = select_device(cfg.engine.precision)
-    mesh = layout.dims.build_mesh(device.device_type)
+    mesh = build_mesh(layout.dims, device.device_type)
     engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     start = 0

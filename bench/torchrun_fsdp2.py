@@ -25,11 +25,12 @@ def train_fn(config: dict) -> None:
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config import load_config
+    from raytrain_dt.data.input_pipeline import DataSlice
     from raytrain_dt.data.order import sample_ids
-    from raytrain_dt.data.pipeline import DataSlice
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
 
     started = time.perf_counter()
@@ -40,7 +41,7 @@ def train_fn(config: dict) -> None:
     layout = Layout.from_dict(config["layout"])
     dims = layout.dims
     device = select_device(cfg.engine.precision)
-    mesh = dims.build_mesh(device.device_type)
+    mesh = build_mesh(dims, device.device_type)
     engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     steps = cfg.trainer.steps

@@ -13,9 +13,9 @@ _EXPORTS = {
     "Result": "raytrain_dt.api",
     "TrainConfig": "raytrain_dt.config.schema",
     "load_config": "raytrain_dt.config.load",
-    "ModelSpec": "raytrain_dt.models.spec",
-    "ModelParts": "raytrain_dt.models.spec",
-    "llama_spec": "raytrain_dt.models.spec",
+    "ModelSpec": "raytrain_dt.models.model_spec",
+    "ModelParts": "raytrain_dt.models.model_spec",
+    "llama_spec": "raytrain_dt.models.model_spec",
     "hf_spec": "raytrain_dt.models.hf",
 }
 

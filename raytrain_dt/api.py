@@ -2,7 +2,7 @@
 
 The same run `raytrain-dt train` and `jobs/pretrain.py` start, from Python objects: the typed
 config (a `TrainConfig`, or a recipe path plus dotlist overrides), a model spec
-(`raytrain_dt.models.spec.ModelSpec`; default: what `model.*` names), and the data as a Ray
+(`raytrain_dt.models.model_spec.ModelSpec`; default: what `model.*` names), and the data as a Ray
 Dataset or a path (default: `data.*`), with an optional tokenize map. Everything planning,
 elasticity, exactly-once data and checkpoints do applies unchanged: `fit` runs the coordinator.
 docs/migrating-from-ray-train.md maps Ray Train's TorchTrainer onto this.
@@ -18,7 +18,7 @@ from typing import Any
 
 from raytrain_dt.config.load import load_config
 from raytrain_dt.config.schema import TrainConfig, validate
-from raytrain_dt.models.spec import ModelSpec
+from raytrain_dt.models.model_spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
 
 

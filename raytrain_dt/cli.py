@@ -13,10 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-from raytrain_dt.checkpoint.cli import add_ckpt_arguments
-from raytrain_dt.doctor.cli import add_doctor_arguments
+from raytrain_dt.ckpt_cli import add_ckpt_arguments
+from raytrain_dt.doctor.doctor_cli import add_doctor_arguments
 from raytrain_dt.errors import UserError
-from raytrain_dt.sim.cli import add_simulate_arguments
+from raytrain_dt.sim.simulate_cli import add_simulate_arguments
 from raytrain_dt.topology.plan_cli import add_plan_arguments
 
 
@@ -54,7 +54,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from raytrain_dt.doctor.cli import run_doctor
+    from raytrain_dt.doctor.doctor_cli import run_doctor
 
     return run_doctor(args)
 
@@ -94,7 +94,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _simulate(args: argparse.Namespace) -> int:
-    from raytrain_dt.sim.cli import run_simulate
+    from raytrain_dt.sim.simulate_cli import run_simulate
 
     return run_simulate(args)
 

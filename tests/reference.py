@@ -10,14 +10,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from raytrain_dt.checkpoint.convert import read_flat_state
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.data.order import sample_ids
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
 from raytrain_dt.models.llama import next_token_loss
-from raytrain_dt.models.spec import model_spec
+from raytrain_dt.models.model_spec import model_spec
+from raytrain_dt.tools.checkpoint_convert import read_flat_state
 
 
 def global_batch_ids(cfg: TrainConfig, dataset: TokenDataset, step: int) -> np.ndarray:

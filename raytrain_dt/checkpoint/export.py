@@ -12,7 +12,6 @@ writer, so the (simple, documented) file layout is written here and read back wi
 from __future__ import annotations
 
 import json
-import re
 import struct
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,32 +20,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from raytrain_dt.checkpoint.storage import dcp_reader
+from raytrain_dt.models.hf_weights import hf_name
 from raytrain_dt.models.presets import ModelShape
 
 _SAFETENSORS_DTYPE = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-# Our parameter names -> transformers' LlamaForCausalLM names.
-_HF_NAMES = [
-    (r"^tok_embeddings\.weight$", "model.embed_tokens.weight"),
-    (r"^norm\.weight$", "model.norm.weight"),
-    (r"^output\.weight$", "lm_head.weight"),
-    (r"^layers\.(\d+)\.attention\.wq\.", r"model.layers.\1.self_attn.q_proj."),
-    (r"^layers\.(\d+)\.attention\.wk\.", r"model.layers.\1.self_attn.k_proj."),
-    (r"^layers\.(\d+)\.attention\.wv\.", r"model.layers.\1.self_attn.v_proj."),
-    (r"^layers\.(\d+)\.attention\.wo\.", r"model.layers.\1.self_attn.o_proj."),
-    (r"^layers\.(\d+)\.feed_forward\.w1\.", r"model.layers.\1.mlp.gate_proj."),
-    (r"^layers\.(\d+)\.feed_forward\.w3\.", r"model.layers.\1.mlp.up_proj."),
-    (r"^layers\.(\d+)\.feed_forward\.w2\.", r"model.layers.\1.mlp.down_proj."),
-    (r"^layers\.(\d+)\.attention_norm\.", r"model.layers.\1.input_layernorm."),
-    (r"^layers\.(\d+)\.ffn_norm\.", r"model.layers.\1.post_attention_layernorm."),
-]
-
-
-def hf_name(name: str) -> str:
-    for pattern, replacement in _HF_NAMES:
-        if re.match(pattern, name):
-            return re.sub(pattern, replacement, name)
-    raise KeyError(f"{name}: no Hugging Face Llama name for this parameter")
 
 
 def hf_config(shape: ModelShape, max_seq_len: int) -> dict:

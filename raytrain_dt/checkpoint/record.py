@@ -17,7 +17,6 @@ import platform
 import time
 from importlib import metadata
 
-from raytrain_dt.engines.schedule import lr_at
 from raytrain_dt.errors import CheckpointError
 
 RNG_DIR = "rng"  # rng/rank_<r>.pt: each rank's torch RNG state
@@ -41,9 +40,12 @@ def versions() -> dict[str, str | None]:
             **{p: _version(p) for p in ("raytrain_dt", "torch", "ray", "deepspeed")}}  # fmt: skip
 
 
-def train_state_record(spec, step: int, consumed: int, tensors: dict[str, list[int]]) -> dict:
+def train_state_record(
+    spec, step: int, consumed: int, tensors: dict[str, list[int]], next_lr: float
+) -> dict:
     """The commit record's `train_state` for a save after `step` steps (`spec`: the rank's
-    RankSpec; `tensors`: `tensor_shapes` of the unsharded model)."""
+    RankSpec; `tensors`: `tensor_shapes` of the unsharded model; `next_lr`: the schedule's LR
+    of step `step`, the next one to run, computed by the engines' schedule)."""
     cfg, layout = spec.cfg, spec.layout
     t = cfg.trainer
     schedule = {"lr": t.lr, "warmup_steps": t.warmup_steps, "total_steps": t.steps,
@@ -55,7 +57,7 @@ def train_state_record(spec, step: int, consumed: int, tensors: dict[str, list[i
         "global_batch": layout.global_batch,
         # The schedule is a pure function of the step (engines/schedule.py `lr_at`): these
         # settings and the step are its whole state.
-        "lr_scheduler": {"kind": "warmup_cosine", **schedule, "next_lr": lr_at(step, **schedule)},
+        "lr_scheduler": {"kind": "warmup_cosine", **schedule, "next_lr": next_lr},
         "rng": {
             "kind": "torch.get_rng_state + accelerator get_rng_state",
             "files": f"{RNG_DIR}/rank_<r>.pt",

@@ -418,6 +418,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         if action.at_step < 1:
             raise ConfigError(f"chaos[{i}].at_step: must be >= 1, got {action.at_step}")
+        if action.action == "kill_rank_mid_save" and cfg.engine.name != "fsdp2":
+            # Only FSDP2's DCP writer can be interrupted midway (Engine.supports_async_save).
+            raise ConfigError(
+                f"chaos[{i}].action: kill_rank_mid_save needs engine.name=fsdp2 "
+                f"({cfg.engine.name} writes its own checkpoint files)"
+            )
     if cfg.chaos_step_delay_s < 0:
         raise ConfigError(f"chaos_step_delay_s: must be >= 0, got {cfg.chaos_step_delay_s}")
     if cfg.model.init_from and cfg.model.hf:

@@ -8,11 +8,12 @@ from collections import Counter
 from dataclasses import dataclass, replace
 
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.control.cluster import ClusterView, NodeInfo
+from raytrain_dt.control.cluster import ClusterView
 from raytrain_dt.control.group import RankGroupLike
 from raytrain_dt.control.policies import capacity_request
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.topology.nodes import NodeInfo
 
 
 @dataclass

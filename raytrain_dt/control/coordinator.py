@@ -78,7 +78,7 @@ from raytrain_dt.control.states import (
 )
 from raytrain_dt.control.watch import GroupWatch
 from raytrain_dt.errors import ConfigError, UserError
-from raytrain_dt.models.spec import ModelSpec, model_spec
+from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder

@@ -29,8 +29,8 @@ from raytrain_dt.control.recovery_timing import RecoveryTimer
 from raytrain_dt.control.run_setup import planned_checkpoint_bytes, rank_specs
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Resizing, Restarting
+from raytrain_dt.models.model_spec import ModelSpec
 from raytrain_dt.models.presets import ModelShape
-from raytrain_dt.models.spec import ModelSpec
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.topology.layout import Layout
 

@@ -11,9 +11,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from raytrain_dt.config.schema import ElasticConfig
-from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.nodes import NodeInfo
 
 
 # --- decisions -------------------------------------------------------------------------------

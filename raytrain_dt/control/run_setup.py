@@ -1,28 +1,30 @@
 """Run set-up shared by the coordinator, the API and the tests: the model shape, the dataset,
-the planned layout for a set of nodes, and the per-rank specs of a formation.
+and the per-rank specs of a formation (the planned layout for a set of nodes comes from
+`topology/run_plan.py`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_dt.checkpoint.store import CheckpointRef
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.control.cluster import NodeInfo, planning_topology
-from raytrain_dt.data.pipeline import DataSlice
+from raytrain_dt.data.input_pipeline import DataSlice
 from raytrain_dt.data.prepare import prepare_dataset
 from raytrain_dt.data.source import TokenDataset
-from raytrain_dt.errors import PlanningError
+from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.models.presets import ModelShape
-from raytrain_dt.models.spec import ModelSpec, model_spec
-from raytrain_dt.topology.host_memory import checkpoint_bytes
-from raytrain_dt.topology.layout import Layout, Topology
-from raytrain_dt.topology.pins import LayoutPins
-from raytrain_dt.topology.planner import Plan, plan
-from raytrain_dt.topology.precision import resolve_precision
+from raytrain_dt.topology.layout import Layout
+
+# The driver's planning (also the simulator's, without Ray) lives in topology/run_plan.py; the
+# coordinator and recovery import it through here with the rest of the run's set-up.
+from raytrain_dt.topology.run_plan import (  # noqa: F401
+    choose_layout,
+    plan_for_nodes,
+    planned_checkpoint_bytes,
+)
 from raytrain_dt.worker.spec import RankSpec
 
 log = logging.getLogger(__name__)
@@ -86,51 +88,6 @@ def check_dataset(cfg: TrainConfig, dataset: object | None = None) -> None:
     against the config); one that is neither there nor to be prepared is refused."""
     if not uses_user_data(cfg, dataset) and not _to_be_prepared(cfg):
         TokenDataset.open(cfg.data.path, cfg.data.seq_len)
-
-
-def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gpu: bool) -> Plan:
-    """Plan the layout for this cluster; whatever the config pins is honoured and validated."""
-    pins = LayoutPins.from_config(cfg)
-    if cfg.engine.name != "fsdp2" and pins.pp is None:
-        # Only the FSDP2 engine runs pipeline stages, so no other engine may be planned onto one.
-        pins = dataclasses.replace(pins, pp=1)
-    return plan(
-        shape,
-        topology,
-        global_batch=cfg.trainer.global_batch,
-        seq_len=cfg.data.seq_len,
-        pins=pins,
-        precision=resolve_precision(cfg.engine.precision, on_gpu),
-        engine=cfg.engine.name,
-        async_save=cfg.checkpoint.async_save,
-    )
-
-
-def plan_for_nodes(cfg: TrainConfig, shape: ModelShape, resource: str,
-                   nodes: tuple[NodeInfo, ...]) -> Plan | None:  # fmt: skip
-    """The planner's answer for these nodes (None when nothing fits there)."""
-    if not nodes:
-        return None
-    available = sum(n.accelerators for n in nodes)
-    world = min(cfg.cluster.num_ranks or available, available)
-    topology = planning_topology(cfg.cluster, resource, list(nodes), world)
-    try:
-        return choose_layout(cfg, shape, topology, resource == "GPU")
-    except PlanningError as exc:
-        log.warning("no layout on %d nodes: %s", len(nodes), exc)
-        return None
-
-
-def planned_checkpoint_bytes(
-    cfg: TrainConfig, shape: ModelShape, layout: Layout, on_gpu: bool
-) -> float:
-    """The memory model's size of this run's checkpoint at `layout` (before one is measured)."""
-    return checkpoint_bytes(
-        shape,
-        engine=cfg.engine.name,
-        zero_stage=layout.zero_stage,
-        precision=resolve_precision(cfg.engine.precision, on_gpu),
-    )
 
 
 def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: TokenDataset,

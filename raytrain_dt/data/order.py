@@ -18,6 +18,9 @@ from functools import lru_cache
 
 import numpy as np
 
+# How a global batch splits between DP ranks is the layout's arithmetic (the planner prices it).
+from raytrain_dt.topology.layout import rank_slice
+
 
 @lru_cache(maxsize=4)
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -33,11 +36,6 @@ def sample_ids(positions: np.ndarray, num_samples: int, seed: int) -> np.ndarray
         mask = epochs == epoch
         out[mask] = epoch_permutation(num_samples, seed, int(epoch))[offsets[mask]]
     return out
-
-
-def rank_slice(global_batch: int, dp: int, dp_rank: int) -> tuple[int, int]:
-    """[start, stop) within each step's global batch that DP rank `dp_rank` of `dp` reads."""
-    return dp_rank * global_batch // dp, (dp_rank + 1) * global_batch // dp
 
 
 def rank_rows(

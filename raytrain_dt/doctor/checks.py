@@ -245,10 +245,11 @@ class RecipePlan:
 
 
 def plan_recipe(recipe: TrainConfig, resource: str) -> RecipePlan:
-    from raytrain_dt.control.cluster import alive_nodes, planning_topology
-    from raytrain_dt.control.run_setup import choose_layout
+    from raytrain_dt.control.cluster import alive_nodes
     from raytrain_dt.errors import PlanningError
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
+    from raytrain_dt.topology.nodes import planning_topology
+    from raytrain_dt.topology.run_plan import choose_layout
 
     nodes = alive_nodes(resource)
     if not nodes:

@@ -1,14 +1,16 @@
 """The engine protocol: the train loop's only view of FSDP2 or DeepSpeed.
 
 An engine owns the parallelized model and its optimizer. It runs one optimizer step over a
-list of micro-batches and hands its state to and from checkpoints. The train loop does not
-know which engine runs.
+list of micro-batches and hands its state to and from checkpoints. The train loop and the
+checkpointer do not know which engine runs: what differs between engines is declared here
+(`supports_async_save`), never probed on the concrete class.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
@@ -22,16 +24,31 @@ class StepResult:
 
 
 class Engine(Protocol):
+    # Whether `save_async` and a `storage_writer` for `save` are supported (FSDP2's DCP writes:
+    # yes; DeepSpeed writes its own files: no, and `kill_rank_mid_save` is refused for it).
+    supports_async_save: ClassVar[bool]
+
+    def warm_up(self) -> None:
+        """Pay the first step's one-time costs before training starts (collective; changes no
+        state). A no-op where an engine has none."""
+
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
     ) -> StepResult:
         """One optimizer step over `micro_batches`; `real` marks each one's real rows, which
         a padded layout needs (`engines.micro_loss`)."""
 
-    def save(self, checkpoint_dir: str, digests=None) -> None:
+    def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
         """Write model and optimizer shards (collective: every rank calls it). `digests` (a
         `checkpoint.digests.FileDigests`) records every file this rank wrote, with its size
-        and SHA-256, for the commit's manifest."""
+        and SHA-256, for the commit's manifest. `storage_writer` replaces the DCP writer
+        (only where `supports_async_save`; tests use it to fail a save midway)."""
+
+    def save_async(
+        self, checkpoint_dir: str, process_group, storage_writer=None, digests=None
+    ) -> Future:
+        """Stage the state and write it in the background on `process_group` (only where
+        `supports_async_save`); the future completes when this rank's files are written."""
 
     def load(self, checkpoint_dir: str) -> None:
         """Read model and optimizer state into this layout (collective)."""

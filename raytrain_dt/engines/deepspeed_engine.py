@@ -44,7 +44,7 @@ from raytrain_dt.models.materialize import (
     read_flat,
     unique_parameters,
 )
-from raytrain_dt.models.spec import ModelSpec
+from raytrain_dt.models.model_spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
 from raytrain_dt.topology.pins import engine_refusal
@@ -202,6 +202,10 @@ def build_partitioned(
 
 
 class DeepSpeedEngine:
+    # DeepSpeed writes its checkpoint files itself: no DCP writer to run in the background or
+    # to replace (config validation refuses chaos `kill_rank_mid_save` for this engine).
+    supports_async_save = False
+
     def __init__(
         self,
         spec: ModelSpec,
@@ -265,11 +269,23 @@ class DeepSpeedEngine:
         return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
 
     # --- checkpoint state ----------------------------------------------------------------------
-    def save(self, checkpoint_dir: str, digests: FileDigests | None = None) -> None:
+    def warm_up(self) -> None:
+        """Nothing to pay ahead: DeepSpeed's first step has no one-time costs of ours."""
+
+    def save(
+        self, checkpoint_dir: str, storage_writer=None, digests: FileDigests | None = None
+    ) -> None:
         # Collective. Writes <dir>/ds/ (model states + per-rank ZeRO optimizer partitions).
+        if storage_writer is not None:
+            raise NotImplementedError(
+                "DeepSpeed writes its own checkpoint files: no storage writer"
+            )
         path = _local_path(checkpoint_dir)
         with recording_saves(self.engine, path, digests or FileDigests(), dist.get_rank() == 0):
             self.engine.save_checkpoint(str(path), tag=TAG)
+
+    def save_async(self, checkpoint_dir: str, process_group, storage_writer=None, digests=None):
+        raise NotImplementedError("DeepSpeed saves synchronously (supports_async_save is False)")
 
     def load(self, checkpoint_dir: str) -> None:
         path = _local_path(checkpoint_dir)

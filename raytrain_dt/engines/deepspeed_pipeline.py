@@ -1,6 +1,6 @@
 """DeepSpeed ZeRO-1 under pipeline parallelism: our pipeline stages, DeepSpeed's optimizer.
 
-The model is cut into stages by `parallel/pipeline.py` and driven by the same torch schedule
+The model is cut into stages by `parallel/pipeline_parallel.py` and driven by the same torch schedule
 (GPipe, 1F1B or interleaved) as under FSDP2. DeepSpeed wraps this rank's stages (one
 `StageUnion`, under the full model's parameter names) and shards their AdamW state over the DP
 group of the stage: ZeRO-1, as DeepSpeed's own pipeline engine does it. ZeRO-2/3 are refused
@@ -32,8 +32,8 @@ from raytrain_dt.engines.deepspeed_engine import (
 )
 from raytrain_dt.engines.optim import apply_lr_schedule
 from raytrain_dt.models.materialize import WeightSource, initial_weights, materialize
-from raytrain_dt.models.spec import ModelSpec
-from raytrain_dt.parallel.pipeline import (
+from raytrain_dt.models.model_spec import ModelSpec
+from raytrain_dt.parallel.pipeline_parallel import (
     Pipeline,
     StageUnion,
     gather_stage_dicts,

@@ -8,7 +8,7 @@ from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import Engine
 from raytrain_dt.models.materialize import WeightSource
-from raytrain_dt.models.spec import ModelSpec
+from raytrain_dt.models.model_spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
 
 

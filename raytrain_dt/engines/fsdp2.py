@@ -12,7 +12,7 @@ their sync is switched off on non-final micro-steps (one reduction per step); st
 shard gradients, so they reduce-scatter every micro-step rather than hold every unsharded
 gradient until the last one (the memory and cost models in `topology/` price exactly this).
 
-With pipeline parallelism (`parallel/pipeline.py`) each rank parallelizes its stage models the
+With pipeline parallelism (`parallel/pipeline_parallel.py`) each rank parallelizes its stage models the
 same way (TP, AC, FSDP over its DP mesh) and one schedule step replaces the micro-step loop; the
 gradient norm then sums over the pp group, and state dicts keep the unsplit model's names.
 """
@@ -46,8 +46,8 @@ from raytrain_dt.engines.base import StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.models.materialize import WeightSource, initial_weights, materialize
-from raytrain_dt.models.spec import ModelSpec
-from raytrain_dt.parallel.pipeline import (
+from raytrain_dt.models.model_spec import ModelSpec
+from raytrain_dt.parallel.pipeline_parallel import (
     Pipeline,
     StageUnion,
     gather_stage_dicts,
@@ -95,6 +95,8 @@ def _recomputed_in_backward(forward):
 
 
 class FSDP2Engine:
+    supports_async_save = True
+
     def __init__(
         self,
         spec: ModelSpec,

@@ -43,9 +43,14 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
         group["lr"] = lr
 
 
+def scheduled_lr(trainer: TrainerConfig, step: int) -> float:
+    """The LR of optimizer step `step` (0-based) under the trainer's schedule."""
+    return lr_at(step, lr=trainer.lr, warmup_steps=trainer.warmup_steps, total_steps=trainer.steps,
+                 min_lr_ratio=trainer.min_lr_ratio)  # fmt: skip
+
+
 def apply_lr_schedule(optimizer: torch.optim.Optimizer, trainer: TrainerConfig, step: int) -> float:
     """Set the scheduled LR of optimizer step `step` (0-based) on `optimizer`; returns it."""
-    lr = lr_at(step, lr=trainer.lr, warmup_steps=trainer.warmup_steps, total_steps=trainer.steps,
-               min_lr_ratio=trainer.min_lr_ratio)  # fmt: skip
+    lr = scheduled_lr(trainer, step)
     set_lr(optimizer, lr)
     return lr

@@ -1,9 +1,9 @@
-"""Hugging Face causal LMs as model specs (`model.hf`); the only module that imports transformers.
+"""Hugging Face causal LMs as model specs (`model.hf`); the transformers model (its config is read by `hf_config`).
 
 `model.hf` names a local directory or a model type:
 - a directory with weights (`*.safetensors` / `pytorch_model*.bin`) and `config.json`: the
   weights are loaded (fine-tuning; our `ckpt consolidate` output is such a directory), each rank
-  reading only the slices of the shards it holds (`checkpoint.initial.DirectoryWeights`);
+  reading only the slices of the shards it holds (`models.hf_weights.DirectoryWeights`);
 - a directory with only `config.json`, or a model type such as `llama`: random init from the
   config (nothing is downloaded), with `model.hf_config` overriding config fields.
 
@@ -19,63 +19,18 @@ transformers' `_init_weights` distributions (`hf_param_init`).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.hf_config import has_weights, load_config, shape_of
 from raytrain_dt.models.materialize import ParamInit
-from raytrain_dt.models.presets import ModelShape
-from raytrain_dt.models.spec import ModelParts, ModelSpec
+from raytrain_dt.models.model_spec import ModelParts, ModelSpec
 
 HF_PARTS = ModelParts(
     blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head")
 )
-WEIGHT_GLOBS = ("*.safetensors", "pytorch_model*.bin")
-
-
-def has_weights(source: str) -> bool:
-    path = Path(source)
-    return path.is_dir() and any(any(path.glob(g)) for g in WEIGHT_GLOBS)
-
-
-def load_config(source: str, overrides: dict):
-    """The transformers config for a local directory or a model type; never downloads."""
-    from transformers import AutoConfig
-
-    path = Path(source)
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ConfigError(f"model.hf: {source} has no config.json")
-        config = AutoConfig.from_pretrained(path, local_files_only=True, **overrides)
-    elif "/" in source or source.startswith("."):
-        raise ConfigError(f"model.hf: {source} is not a local directory (nothing is downloaded)")
-    else:
-        try:
-            config = AutoConfig.for_model(source, **overrides)
-        except ValueError as exc:
-            raise ConfigError(f"model.hf: {source!r} is not a known model type ({exc})") from exc
-    # Our forward passes no mask: SDPA's causal path, the same kernel our own decoder uses.
-    config._attn_implementation = "sdpa"
-    return config
-
-
-def shape_of(config) -> ModelShape:
-    """The planner's facts about a Llama-family config."""
-    n_heads = config.num_attention_heads
-    rope = getattr(config, "rope_parameters", None) or {}
-    return ModelShape(
-        dim=config.hidden_size,
-        n_layers=config.num_hidden_layers,
-        n_heads=n_heads,
-        n_kv_heads=getattr(config, "num_key_value_heads", None) or n_heads,
-        vocab_size=config.vocab_size,
-        ffn_hidden=config.intermediate_size,
-        tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-        norm_eps=getattr(config, "rms_norm_eps", 1e-6),
-        rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
-    )
 
 
 class HFCausalLM(nn.Module):

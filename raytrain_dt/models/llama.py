@@ -127,7 +127,7 @@ def llama_param_init(shape: ModelShape, name: str, module: nn.Module) -> ParamIn
 
 def build_model(shape: ModelShape, max_seq_len: int, seed: int) -> LlamaDecoder:
     """The full model on CPU in this process, with the initial weights of every layout."""
-    from raytrain_dt.models.spec import llama_spec
+    from raytrain_dt.models.model_spec import llama_spec
 
     return llama_spec(shape).build(max_seq_len, seed)
 

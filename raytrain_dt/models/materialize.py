@@ -14,7 +14,7 @@ Sources:
   and the values do not depend on who draws them. Which distribution a parameter gets is the
   model spec's rule (`ModelSpec.param_init`: our decoder's normal(0.02) with depth-scaled
   residual projections and unit norms; transformers' `_init_weights` for `model.hf`).
-- `checkpoint.initial.DirectoryWeights`: slices of a Hugging Face directory's tensors
+- `models.hf_weights.DirectoryWeights`: slices of a Hugging Face directory's tensors
   (safetensors' `get_slice`: a rank reads only the bytes of its shards).
 
 The single-process model (`ModelSpec.build`, the tests' reference) is the same skeleton
@@ -240,12 +240,11 @@ def initial_weights(spec, seed: int, init_from: str | None = None) -> WeightSour
     directory, under our names), the pretrained weights a `model.hf` directory holds, or the
     spec's random initialisation from `seed`."""
     if init_from:
-        from raytrain_dt.checkpoint.export import hf_name
-        from raytrain_dt.checkpoint.initial import KEY, DirectoryWeights
+        from raytrain_dt.models.hf_weights import INIT_FROM_KEY, DirectoryWeights, hf_name
 
-        return DirectoryWeights(init_from, KEY, rename=hf_name)
+        return DirectoryWeights(init_from, INIT_FROM_KEY, rename=hf_name)
     if spec.weights_dir:
-        from raytrain_dt.checkpoint.initial import DirectoryWeights
+        from raytrain_dt.models.hf_weights import DirectoryWeights
 
         return DirectoryWeights(spec.weights_dir, "model.hf")
     return RandomWeights(spec.init_rule, seed)

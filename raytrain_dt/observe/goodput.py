@@ -7,7 +7,7 @@ The one definition of the goodput breakdown (seconds, from `events.jsonl` and `m
   metrics.jsonl, i.e. of the steps the final model is made of.
 - checkpoint stall: the `stall_s` of every committed `checkpoint` event: how long training
   waited for the slowest rank to stage its shards (the write itself runs in the background).
-- recovery: the `recovery_s` of every `recovery` event (see `observe/recovery.py`): from the
+- recovery: the `recovery_s` of every `recovery` event (see `observe/recovery_tracker.py`): from the
   end of the last step before an interruption to the start of the first step after it.
 - lost work: the step time of steps trained and then discarded because the group resumed from
   an older checkpoint (`dropped_step_time_s` of the `rewind` events).

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from raytrain_dt.observe.recovery import RecoveryTracker
+from raytrain_dt.observe.recovery_tracker import RecoveryTracker
 
 log = logging.getLogger(__name__)
 

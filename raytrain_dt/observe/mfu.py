@@ -8,11 +8,7 @@ Pure arithmetic: the rank computes it where it measures the step time.
 
 from __future__ import annotations
 
-from raytrain_dt.topology.layout import Topology
-
-# A CPU core's fp32 matmul rate is of this order; the planner uses it too, where only the
-# ratios between layouts matter.
-CPU_PEAK_FLOPS = 1e11
+from raytrain_dt.topology.layout import CPU_PEAK_FLOPS, Topology
 
 # Dense bf16 tensor-core TFLOP/s (no sparsity) by a fragment of torch.cuda.get_device_name().
 # Checked in order, so "H100 PCIe" comes before "H100".

@@ -189,7 +189,7 @@ def _html(run_dir: Path, summary: dict, events: list[dict], plots: dict[str, Pat
         f"<h1>Run report: {html.escape(str(run_dir))}</h1><table>{rows}</table>"
         f"<h2>Recoveries</h2><table><tr><th>first step</th><th>cause</th><th>resumed at</th>"
         f"<th>recovery s</th><th>lost steps</th><th>lost work s</th></tr>{recoveries}</table>"
-        f"{images}<p>Definitions: raytrain_dt/observe/goodput.py and observe/recovery.py.</p>"
+        f"{images}<p>Definitions: raytrain_dt/observe/goodput.py and observe/recovery_tracker.py.</p>"
         f"</body></html>"
     )
 

@@ -2,7 +2,7 @@
 
 `Costs` holds the recovery costs (the phases the elastic benchmark splits a recovery into:
 detection, re-plan, re-form, checkpoint load, first step), checkpoint save/load costs (by default
-derived from the model's checkpoint bytes and the storage bandwidth; see `sim/planner.py`) and
+derived from the model's checkpoint bytes and the storage bandwidth; see `sim/sim_planner.py`) and
 prices.
 """
 

@@ -13,7 +13,7 @@ import heapq
 import math
 
 from raytrain_dt.control.placement import counts_by_node
-from raytrain_dt.sim.engine import GroupModel, SimResult, node_index, node_name
+from raytrain_dt.sim.group_model import GroupModel, SimResult, node_index, node_name
 from raytrain_dt.sim.trace import DOWN, NOTICE, UP, Trace
 
 

@@ -11,15 +11,15 @@ import time
 from dataclasses import asdict, dataclass
 
 from raytrain_dt.config.schema import ElasticConfig, TrainConfig, validate
-from raytrain_dt.control.cluster import planning_topology
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.errors import UserError
-from raytrain_dt.sim import policies
+from raytrain_dt.sim import strategies
 from raytrain_dt.sim.costs import Costs
-from raytrain_dt.sim.engine import SimResult, node_name
+from raytrain_dt.sim.group_model import SimResult, node_name
 from raytrain_dt.sim.loop import Simulation
-from raytrain_dt.sim.planner import SimPlanner
+from raytrain_dt.sim.sim_planner import SimPlanner
 from raytrain_dt.sim.trace import StepTrace, Trace
+from raytrain_dt.topology.nodes import planning_topology
 
 # Elastic settings for a week on 1,024 nodes: restarts and waits are routine there, so the
 # limits that guard a small run are lifted (a second node lost before the first step after a
@@ -64,15 +64,15 @@ class Setup:
                                  self.best.dims.world_size)  # fmt: skip
         self.memory_per_accelerator = topo.memory_per_accelerator
 
-    def strategy(self, name: str) -> policies.Strategy:
+    def strategy(self, name: str) -> strategies.Strategy:
         if name == "ours":
-            return policies.ours(self.planner, self.elastic)
+            return strategies.ours(self.planner, self.elastic)
         if name == "restart":
-            return policies.restart(self.best, self.best_nodes)
+            return strategies.restart(self.best, self.best_nodes)
         if name == "dp_only":
-            return policies.dp_only(self.planner, self.best, self.gpus_per_node,
+            return strategies.dp_only(self.planner, self.best, self.gpus_per_node,
                                     self.memory_per_accelerator)  # fmt: skip
-        raise UserError(f"--policies: {name!r} is not one of {', '.join(policies.POLICY_NAMES)}")
+        raise UserError(f"--policies: {name!r} is not one of {', '.join(strategies.POLICY_NAMES)}")
 
     def run(self, name: str, trace: Trace | StepTrace, ckpt_every: int,
             total_steps: int | None = None) -> SimResult:  # fmt: skip
@@ -100,7 +100,7 @@ class Setup:
 
 
 def compare(setup: Setup, trace: Trace, ckpt_every: int, sweep: list[int],
-            names: tuple[str, ...] = policies.POLICY_NAMES) -> dict:  # fmt: skip
+            names: tuple[str, ...] = strategies.POLICY_NAMES) -> dict:  # fmt: skip
     """Every policy at `ckpt_every` plus the sweep; the same trace and plan cache for all."""
     started = time.perf_counter()
     intervals = sorted({ckpt_every, *sweep})

@@ -10,6 +10,15 @@ from dataclasses import asdict, dataclass
 
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
+# A CPU core's fp32 matmul rate is of this order: the peak of CPU ranks, for the planner (where
+# only the ratios between layouts matter) and for MFU (`observe/mfu.py`).
+CPU_PEAK_FLOPS = 1e11
+
+
+def rank_slice(global_batch: int, dp: int, dp_rank: int) -> tuple[int, int]:
+    """[start, stop) within each step's global batch that DP rank `dp_rank` of `dp` reads."""
+    return dp_rank * global_batch // dp, (dp_rank + 1) * global_batch // dp
+
 
 @dataclass(frozen=True)
 class Topology:

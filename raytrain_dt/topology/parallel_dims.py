@@ -3,17 +3,13 @@
 The rank grid is `arange(world).view(pp, dp_replicate, dp_shard, cp, tp)`: TP is innermost, so
 a TP group is a run of consecutive ranks (and therefore on one node once ranks are ordered by
 node), and PP is outermost, so a whole pipeline stage is a contiguous block of ranks.
-"Axis" means a mesh axis; counts carry a `num_` prefix. No torch import at module level: the
-control plane uses this without torch.distributed.
+"Axis" means a mesh axis; counts carry a `num_` prefix. No torch here: the control plane and the
+simulator use this without it; the worker builds the device mesh from it (`parallel/device_mesh.py`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 # Outermost to innermost. The order is a contract with checkpoints' layout records.
 MESH_AXES: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -121,14 +117,3 @@ class ParallelDims:
             key = tuple(getattr(c, a) for a in MESH_AXES if a != axis)
             by_rest.setdefault(key, []).append(rank)
         return list(by_rest.values())
-
-    # --- device mesh (worker plane only) -----------------------------------------------------
-    def build_mesh(self, device_type: str) -> DeviceMesh:
-        """The named mesh, plus flattened `dp` (data loading, loss) and `dp_shard_cp` axes."""
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh(device_type, self.shape, mesh_dim_names=MESH_AXES)
-        mesh["dp_replicate", "dp_shard"]._flatten(mesh_dim_name="dp")
-        mesh["dp_shard", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
-        mesh["dp_replicate", "dp_shard", "cp"]._flatten(mesh_dim_name="dp_cp")
-        return mesh

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from raytrain_dt.data.order import rank_slice
-from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.layout import Layout, rank_slice
 from raytrain_dt.topology.memory import GB, model_state_bytes, working_state_bytes
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ class RankCheckpointer:
         self.die_while_saving = frozenset(die_while_saving)
         self.rank = rank
         self.report = report
-        self.use_async = use_async and hasattr(engine, "save_async")
+        self.use_async = use_async and engine.supports_async_save
         # Background writes and the save agreement each get their own gloo group: collectives
         # from two threads on one group can interleave and deadlock, and neither may touch the
         # training group (nccl on GPU) from outside the train step.

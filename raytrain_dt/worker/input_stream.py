@@ -2,7 +2,7 @@
 
 Starting a Ray Data pipeline (its executor, a worker for the read tasks) takes seconds, the
 longest part of a re-formation on a small model. So the first `BRIDGE_STEPS` steps are read
-in this process, by the very function the pipeline maps (`data.pipeline._fetch`: same
+in this process, by the very function the pipeline maps (`data.input_pipeline._fetch`: same
 positions, same samples, same order), while the pipeline for the remaining steps starts in a
 background thread, once the first step has been trained: its start-up is seconds of Python in
 this process, which would slow the first step (the one a recovery waits for). If it has not
@@ -20,7 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from raytrain_dt.data.pipeline import DataSlice, _fetch, iterate_micro_batches
+from raytrain_dt.data.input_pipeline import DataSlice, _fetch, iterate_micro_batches
 
 BRIDGE_STEPS = 2
 

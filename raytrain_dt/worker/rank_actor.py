@@ -35,9 +35,11 @@ from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.engines.factory import build_engine
+from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
-from raytrain_dt.models.spec import llama_spec
+from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
+from raytrain_dt.parallel.device_mesh import build_mesh
 from raytrain_dt.worker.chaos import RankChaos
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.collective_timeout import set_collective_timeout
@@ -177,7 +179,7 @@ class RankWorker:
             world_size=spec.world_size,
             timeout=set_collective_timeout(spec.cfg.comm.timeout_s),
         )
-        mesh = spec.layout.dims.build_mesh(device.device_type)
+        mesh = build_mesh(spec.layout.dims, device.device_type)
         timings["process_group_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -211,9 +213,7 @@ class RankWorker:
             self.checkpointer.restore_rng(spec.resume_from)
         timings["checkpoint_load_s"] = time.perf_counter() - t_load
         t_warm = time.perf_counter()
-        warm_up = getattr(self.engine, "warm_up", None)
-        if warm_up is not None:  # the first step's one-time costs, paid here (see __init__)
-            warm_up()
+        self.engine.warm_up()  # the first step's one-time costs, paid here (see __init__)
         timings["warm_up_s"] = time.perf_counter() - t_warm
 
         t2 = time.perf_counter()
@@ -274,7 +274,8 @@ class RankWorker:
     def _save(self, step: int, consumed: int) -> None:
         spec = self.spec
         if spec.rank == 0:
-            record = train_state_record(spec, step, consumed, self._tensor_shapes)
+            next_lr = scheduled_lr(spec.cfg.trainer, step)
+            record = train_state_record(spec, step, consumed, self._tensor_shapes, next_lr)
             self._reports.put(TrainStateReport(step, record))
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
 

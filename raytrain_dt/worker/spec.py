@@ -10,12 +10,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.data.pipeline import DataSlice
+from raytrain_dt.data.input_pipeline import DataSlice
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.layout import Layout
 
 if TYPE_CHECKING:  # the spec module imports torch; this one stays pure data
-    from raytrain_dt.models.spec import ModelSpec
+    from raytrain_dt.models.model_spec import ModelSpec
 
 
 @dataclass(frozen=True)

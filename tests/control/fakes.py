@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_dt.checkpoint.digests import FileDigests, verify_files
-from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.recovery import NODE_DIED
+from raytrain_dt.topology.nodes import NodeInfo
 from raytrain_dt.worker.reports import (
     Notice,
     RankReport,

@@ -11,7 +11,6 @@ from fakes import FakeCluster, FakeRankGroup
 
 from raytrain_dt.config import load_config
 from raytrain_dt.config.schema import ElasticConfig
-from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.coordinator import Coordinator
 from raytrain_dt.control.policies import capacity_request
 from raytrain_dt.control.recovery import lost_with_node
@@ -25,6 +24,7 @@ from raytrain_dt.control.states import (
     Waiting,
 )
 from raytrain_dt.observe.metrics import read_jsonl
+from raytrain_dt.topology.nodes import NodeInfo
 from raytrain_dt.worker.reports import RankStatus
 
 REPO = Path(__file__).resolve().parents[2]

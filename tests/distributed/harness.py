@@ -4,7 +4,7 @@ Starting a process and importing torch costs seconds on a 2-core machine, so the
 workers once and each layout only pays for a process group: every job initialises a fresh gloo
 group over the ranks it needs (the others sit it out), trains, and destroys the group. Ranks
 read the same global batches as `tests/reference.py`, cut per DP rank exactly as
-`raytrain_dt.data.pipeline` cuts them (uneven slices plus padding when dp does not divide it). A wedged collective fails within the process-group
+`raytrain_dt.data.input_pipeline` cuts them (uneven slices plus padding when dp does not divide it). A wedged collective fails within the process-group
 timeout and a wedged worker within `JOB_TIMEOUT_S`, so a broken layout never hangs the suite.
 """
 
@@ -77,7 +77,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
     from raytrain_dt.data.source import TokenDataset
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.materialize import initial_weights
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
+    from raytrain_dt.parallel.device_mesh import build_mesh
 
     cfg, layout = job.cfg, job.layout
     dims = layout.dims
@@ -92,7 +93,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     try:
-        mesh = dims.build_mesh(device.device_type)
+        mesh = build_mesh(dims, device.device_type)
         spec = model_spec(cfg)  # our preset, or `model.hf`
         weights = initial_weights(spec, cfg.run.seed, job.init_from)
         engine = build_engine(spec, cfg, layout, mesh, device, weights)

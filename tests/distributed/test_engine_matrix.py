@@ -218,7 +218,7 @@ def test_deepspeed_checkpoint_moves_across_pipeline_split(pool, cfg, reference, 
 
 
 def test_stage_split_balances_embedding_and_head():
-    from raytrain_dt.parallel.pipeline import stage_indices, stage_layer_counts
+    from raytrain_dt.parallel.pipeline_parallel import stage_indices, stage_layer_counts
 
     assert stage_layer_counts(4, 2) == [2, 2]
     assert stage_layer_counts(4, 4) == [1, 1, 1, 1]
@@ -240,7 +240,7 @@ def test_stage_split_balances_embedding_and_head():
     ],
 )
 def test_invalid_pipeline_layouts_name_the_key(changes, key):
-    from raytrain_dt.parallel.pipeline import validate_pipeline
+    from raytrain_dt.parallel.pipeline_parallel import validate_pipeline
 
     layout = dataclasses.replace(_layout(pp=2), **changes)
     with pytest.raises(ValueError, match=key):
@@ -263,7 +263,7 @@ MATERIALIZED = [
 def test_every_layout_starts_from_the_single_process_weights(pool, cfg, name):
     """Ranks materialize only their shards, yet the model they hold together is exactly the one
     `ModelSpec.build` makes in one process (the reference's initial weights)."""
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
 
     initial = model_spec(cfg).build(cfg.data.seq_len, cfg.run.seed).state_dict()
     result = pool.run(cfg, LAYOUTS[name], 0)

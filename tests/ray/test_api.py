@@ -15,7 +15,7 @@ import pytest
 from raytrain_dt import Result, Trainer
 from raytrain_dt.cli import main
 from raytrain_dt.config import load_config
-from raytrain_dt.models.spec import model_spec
+from raytrain_dt.models.model_spec import model_spec
 from raytrain_dt.observe.metrics import read_jsonl
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from raytrain_dt.data.pipeline import DataSlice, _fetch, iterate_micro_batches
+from raytrain_dt.data.input_pipeline import DataSlice, _fetch, iterate_micro_batches
 from raytrain_dt.data.source import TokenDataset
 
 

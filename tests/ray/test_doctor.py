@@ -18,7 +18,7 @@ from torch.distributed.checkpoint import FileSystemReader
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.cli import main
 from raytrain_dt.config.load import from_yaml
-from raytrain_dt.models.spec import model_spec
+from raytrain_dt.models.model_spec import model_spec
 from raytrain_dt.topology.host_memory import checkpoint_bytes
 
 

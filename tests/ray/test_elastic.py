@@ -61,7 +61,10 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
         " {at_step: 24, action: preempt_node, target: 3}]",
     )  # fmt: skip
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
-    metrics = check_run_matches_reference(cfg, result, steps)
+    # Six formations over 60 steps, each summing in another order (dp 4, 2, 4, 2, 4, 2 with
+    # ZeRO-3): at lr 3e-3 that fp32 rounding grows to ~4e-4 in the loss by the last layouts.
+    # A lost, repeated or misplaced step moves it by ~1e-1; the ledger below stays exact.
+    metrics = check_run_matches_reference(cfg, result, steps, atol=1e-3)
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
     resizes = _resizes(result)
     sizes = [(r["old_layout"]["dims"]["world_size"], r["new_layout"]["dims"]["world_size"])

@@ -14,8 +14,8 @@ from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
 from raytrain_dt.control.coordinator import train
 from raytrain_dt.observe.metrics import read_jsonl
 from raytrain_dt.sim.calibrate import costs_from_run, measured_timeline
-from raytrain_dt.sim.planner import SimPlanner
 from raytrain_dt.sim.runner import Setup
+from raytrain_dt.sim.sim_planner import SimPlanner
 from raytrain_dt.sim.trace import StepTrace
 
 KILL_STEP, ADD_STEP = 6, 8

@@ -62,3 +62,10 @@ def test_cli_missing_dataset_is_one_line(capsys, tmp_path):
     assert capsys.readouterr().err.strip() == (
         f"error: {tmp_path}/none: dataset path does not exist (data.path)"
     )
+
+
+def test_kill_rank_mid_save_is_refused_for_an_engine_whose_saves_cannot_be_interrupted():
+    chaos = "chaos=[{at_step: 2, action: kill_rank_mid_save, target: 0}]"
+    with pytest.raises(ConfigError, match=r"chaos\[0\]\.action: kill_rank_mid_save needs engine"):
+        load_config(None, ["engine.name=deepspeed", chaos])
+    load_config(None, ["engine.name=fsdp2", chaos])

@@ -85,7 +85,7 @@ def test_ledger_lists_only_real_samples_once(token_data):
 
     import torch
 
-    from raytrain_dt.data.pipeline import DataSlice, _fetch
+    from raytrain_dt.data.input_pipeline import DataSlice, _fetch
     from raytrain_dt.engines.base import StepResult
     from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 

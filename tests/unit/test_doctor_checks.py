@@ -8,7 +8,7 @@ import json
 import shutil
 
 from raytrain_dt.doctor.checks import check_disk
-from raytrain_dt.doctor.cli import devices_to_check
+from raytrain_dt.doctor.doctor_cli import devices_to_check
 from raytrain_dt.doctor.result import FAIL, PASS, SKIP, Check, format_json, format_table
 
 

@@ -18,8 +18,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.models.presets import PRESETS
-from raytrain_dt.models.spec import llama_spec
 
 REPO = Path(__file__).resolve().parents[2]
 SMALL_LLAMA = {
@@ -38,7 +38,7 @@ import sys
 import raytrain_dt.cli, raytrain_dt.control.coordinator, raytrain_dt.worker.rank_actor
 import raytrain_dt.engines.fsdp2, raytrain_dt.data.user_data
 from raytrain_dt.config import load_config
-from raytrain_dt.models.spec import model_spec
+from raytrain_dt.models.model_spec import model_spec
 import torch
 spec = model_spec(load_config("conf/test.yaml"))
 model = spec.build(16, seed=0)

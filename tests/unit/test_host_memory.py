@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 
 from raytrain_dt.config.schema import ClusterConfig, TrainConfig, validate
-from raytrain_dt.control.cluster import NodeInfo, planning_topology
 from raytrain_dt.errors import ConfigError, PlanningError
 from raytrain_dt.models.presets import PRESETS
 from raytrain_dt.topology.host_memory import (
@@ -25,6 +24,7 @@ from raytrain_dt.topology.host_memory import (
 )
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import estimate_memory
+from raytrain_dt.topology.nodes import NodeInfo, planning_topology
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.plan_cli import add_plan_arguments, run_plan
 from raytrain_dt.topology.planner import plan

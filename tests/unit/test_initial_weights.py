@@ -16,8 +16,8 @@ from raytrain_dt.control.run_setup import model_shape
 from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.llama import build_model
 from raytrain_dt.models.materialize import initial_weights
+from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.models.presets import PRESETS
-from raytrain_dt.models.spec import llama_spec
 
 
 def _write_hf_dir(path, model, shape, seq_len):

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from raytrain_dt.data.pipeline import DataSlice, _fetch
+from raytrain_dt.data.input_pipeline import DataSlice, _fetch
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.worker.input_stream import _chain
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from raytrain_dt.checkpoint.initial import DirectoryWeights
 from raytrain_dt.errors import ConfigError
+from raytrain_dt.models.hf_weights import DirectoryWeights
 from raytrain_dt.models.llama import rope_cache
 from raytrain_dt.models.materialize import (
     ParamInit,
@@ -21,8 +21,8 @@ from raytrain_dt.models.materialize import (
     initial_weights,
     read_flat,
 )
+from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.models.presets import PRESETS, ModelShape
-from raytrain_dt.models.spec import llama_spec
 
 # 300 rows of 8192: 128 rows a random block, so regions below cross block boundaries.
 SHAPE = (300, 8192)

@@ -106,7 +106,7 @@ def test_uneven_batch_on_all_accelerators_beats_a_smaller_exact_world() -> None:
 
 
 def test_padding_is_priced_and_exact_layouts_win_when_as_fast() -> None:
-    from raytrain_dt.control.cluster import CPU_PEAK_FLOPS
+    from raytrain_dt.topology.layout import CPU_PEAK_FLOPS
 
     def best(ranks, gb, **kw):
         topo = Topology(1, ranks, memory_per_accelerator=8e9, peak_flops=CPU_PEAK_FLOPS)

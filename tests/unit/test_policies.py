@@ -7,9 +7,9 @@ from dataclasses import replace
 import pytest
 
 from raytrain_dt.config.schema import ElasticConfig
-from raytrain_dt.control.cluster import NodeInfo
 from raytrain_dt.control.policies import ElasticPolicy, Fail, Noop, Observation, Resize, Wait
 from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.nodes import NodeInfo
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
 GLOBAL_BATCH = 8

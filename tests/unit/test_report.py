@@ -1,6 +1,6 @@
 """The run recorder's accounting on a scripted timeline (a fake clock, two ranks): step lines
 wait for every rank's memory, a failure's discarded steps become lost work, and startup,
-recovery and the goodput breakdown follow the definitions in observe/recovery.py and
+recovery and the goodput breakdown follow the definitions in observe/recovery_tracker.py and
 observe/goodput.py. Then the report renders from those records, with no Ray."""
 
 from __future__ import annotations

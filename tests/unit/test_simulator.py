@@ -10,8 +10,8 @@ import pytest
 
 from raytrain_dt.cli import main
 from raytrain_dt.sim.costs import Costs
-from raytrain_dt.sim.planner import SimPlanner
 from raytrain_dt.sim.runner import Setup, scale_config
+from raytrain_dt.sim.sim_planner import SimPlanner
 from raytrain_dt.sim.trace import (
     DAY,
     DOWN,

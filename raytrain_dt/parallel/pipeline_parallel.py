@@ -30,7 +30,7 @@ from torch.distributed.pipelining import (
 
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.models.llama import next_token_loss
-from raytrain_dt.models.spec import ModelParts, ModelSpec, get_path, llama_spec, set_path
+from raytrain_dt.models.model_spec import ModelParts, ModelSpec, get_path, llama_spec, set_path
 from raytrain_dt.topology.layout import Layout
 
 log = logging.getLogger(__name__)

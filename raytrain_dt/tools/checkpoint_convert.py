@@ -33,6 +33,7 @@ from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.errors import CheckpointError
 from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.parallel.device_mesh import build_mesh
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
@@ -146,10 +147,10 @@ def write_fsdp2(
 def _deepspeed_engine(shape: ModelShape, cfg: TrainConfig, layout: Layout):
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
-    from raytrain_dt.models.spec import llama_spec
+    from raytrain_dt.models.model_spec import llama_spec
 
     device = select_device("fp32")  # master weights and Adam moments are fp32 in both formats
-    mesh = layout.dims.build_mesh(device.device_type)
+    mesh = build_mesh(layout.dims, device.device_type)
     return DeepSpeedEngine(llama_spec(shape), cfg, layout, mesh, device)
 
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.control.cluster import NodeInfo, planning_topology
-from raytrain_dt.control.run_setup import model_shape, plan_for_nodes
+from raytrain_dt.models.config_shape import config_shape
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.sim.costs import Costs, checkpoint_bytes
 from raytrain_dt.topology.cost import PCIE_BANDWIDTH, estimate_step_time
 from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.nodes import NodeInfo, planning_topology
 from raytrain_dt.topology.precision import resolve_precision
+from raytrain_dt.topology.run_plan import plan_for_nodes
 
 
 @dataclass
@@ -32,7 +33,7 @@ class SimPlanner:
     calls: int = field(default=0, init=False)
 
     def __post_init__(self) -> None:
-        self.shape = model_shape(self.cfg)
+        self.shape = config_shape(self.cfg)
         self.precision = resolve_precision(self.cfg.engine.precision, self.resource == "GPU")
 
     def node(self, node_id: str, accelerators: int) -> NodeInfo:

@@ -184,10 +184,10 @@ def _disk_check(recipe: TrainConfig, plan: checks.RecipePlan, on_gpu: bool) -> C
     """Disk for the recipe's checkpoints: its model's size as its engine saves it, at the
     planned layout (its ZeRO stage) and precision; the memory model's default stage when
     nothing was planned."""
-    from raytrain_dt.control.run_setup import planned_checkpoint_bytes
-    from raytrain_dt.models.spec import model_spec
+    from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.topology.host_memory import checkpoint_bytes
     from raytrain_dt.topology.precision import resolve_precision
+    from raytrain_dt.topology.run_plan import planned_checkpoint_bytes
 
     shape = model_spec(recipe).shape
     if plan.best is not None:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain_dt.models.config_shape import config_shape
 from raytrain_dt.models.materialize import (
     ParamInit,
     WeightSource,
@@ -34,7 +35,7 @@ from raytrain_dt.models.materialize import (
     materialize,
     parameters_on_meta,
 )
-from raytrain_dt.models.presets import ModelShape, resolve_shape
+from raytrain_dt.models.presets import ModelShape
 
 # (model, tp_mesh, sequence_parallel) -> None, parallelizing the model in place.
 TensorParallelFn = Callable[[nn.Module, Any, bool], None]
@@ -164,14 +165,4 @@ def model_spec(cfg) -> ModelSpec:
         from raytrain_dt.models.hf import hf_spec
 
         return hf_spec(m.hf, dict(m.hf_config or {}), m.hf_init)
-    shape = resolve_shape(
-        m.preset,
-        dim=m.dim,
-        n_layers=m.n_layers,
-        n_heads=m.n_heads,
-        n_kv_heads=m.n_kv_heads,
-        vocab_size=m.vocab_size,
-        ffn_hidden=m.ffn_hidden,
-        tie_embeddings=m.tie_embeddings,
-    )
-    return llama_spec(shape, name=m.preset)
+    return llama_spec(config_shape(cfg), name=m.preset)

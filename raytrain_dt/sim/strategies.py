@@ -32,7 +32,7 @@ from raytrain_dt.topology.memory import estimate_memory
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
 if TYPE_CHECKING:
-    from raytrain_dt.sim.planner import SimPlanner
+    from raytrain_dt.sim.sim_planner import SimPlanner
 
 POLICY_NAMES = ("restart", "dp_only", "ours")
 

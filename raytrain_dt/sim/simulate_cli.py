@@ -9,7 +9,7 @@ from pathlib import Path
 from raytrain_dt.errors import UserError
 from raytrain_dt.models.presets import PRESETS
 from raytrain_dt.sim.costs import Costs
-from raytrain_dt.sim.policies import POLICY_NAMES
+from raytrain_dt.sim.strategies import POLICY_NAMES
 from raytrain_dt.sim.trace import DAY, TraceSpec, load_trace, synthetic_trace
 from raytrain_dt.topology.plan_cli import DEFAULT_TOKENS_PER_STEP
 
@@ -61,9 +61,9 @@ def _pairs(items: list[str], allowed: set[str], flag: str) -> dict[str, float]:
 
 def run_simulate(args: argparse.Namespace) -> int:
     from raytrain_dt.config.schema import ElasticConfig
-    from raytrain_dt.sim.planner import SimPlanner
-    from raytrain_dt.sim.report import summary, write_report
+    from raytrain_dt.sim.comparison_report import summary, write_report
     from raytrain_dt.sim.runner import Setup, compare, scale_config
+    from raytrain_dt.sim.sim_planner import SimPlanner
 
     if args.nodes < 1 or args.gpus_per_node < 1 or args.days <= 0:
         raise UserError("--nodes, --gpus-per-node and --days must be positive")

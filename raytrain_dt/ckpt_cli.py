@@ -113,7 +113,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    from raytrain_dt.checkpoint.convert import convert, run_config
+    from raytrain_dt.tools.checkpoint_convert import convert, run_config
 
     _, ref = resolve(args.src)
     ref = convert(ref, args.dst, args.to, args.zero_stage, run_config(ref, args.config))

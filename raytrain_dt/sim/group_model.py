@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from raytrain_dt.control.policies import Fail, FailureStreak, Observation, Resize, Wait
 from raytrain_dt.sim.costs import Costs
-from raytrain_dt.sim.planner import SimPlanner
-from raytrain_dt.sim.policies import Strategy
 from raytrain_dt.sim.segment import Segment
+from raytrain_dt.sim.sim_planner import SimPlanner
+from raytrain_dt.sim.strategies import Strategy
 from raytrain_dt.sim.trace import StepTrace, Trace
 
 
