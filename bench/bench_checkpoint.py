@@ -43,8 +43,14 @@ import tempfile
 import time
 from pathlib import Path
 
-SHAPE = {"dim": 512, "n_layers": 8, "n_heads": 8, "n_kv_heads": 8, "vocab_size": 32000,
-         "ffn_hidden": 1408}  # fmt: skip
+SHAPE = {
+    "dim": 512,
+    "n_layers": 8,
+    "n_heads": 8,
+    "n_kv_heads": 8,
+    "vocab_size": 32000,
+    "ffn_hidden": 1408,
+}
 SEQ_LEN = 128
 WORLD = 2
 # (c): checkpoint sizes; each is RANKS shard files plus one RNG file per rank and `.metadata`,
@@ -129,8 +135,10 @@ def bench_save(root: Path, repeats: int) -> dict:
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, str(root), repeats, results))
-             for r in range(WORLD)]  # fmt: skip
+    procs = [
+        ctx.Process(target=_rank_main, args=(r, port, str(root), repeats, results))
+        for r in range(WORLD)
+    ]
     for p in procs:
         p.start()
     per_rank = [results.get(timeout=600) for _ in procs]
@@ -143,8 +151,14 @@ def bench_save(root: Path, repeats: int) -> dict:
     plain = [max(r[4][i] for r in per_rank) for i in range(repeats)]
     overlapped = [max(r[5][i] for r in per_rank) for i in range(repeats)]
     size = sum(f.stat().st_size for f in (root / "sync_0").rglob("*") if f.is_file())
-    return {"sync_s": sync, "stall_s": stall, "async_total_s": total, "bytes": size,
-            "step_s": plain, "step_during_write_s": overlapped}  # fmt: skip
+    return {
+        "sync_s": sync,
+        "stall_s": stall,
+        "async_total_s": total,
+        "bytes": size,
+        "step_s": plain,
+        "step_during_write_s": overlapped,
+    }
 
 
 _MEASURE = """
@@ -178,10 +192,16 @@ def bench_consolidate(checkpoint: Path, out: Path) -> dict:
     peak = peak_rss(run)
     seconds = time.perf_counter() - t0
     model_bytes = sum(f.stat().st_size for f in out.glob("*.safetensors"))
-    largest = max(size.numel() * dtype.itemsize
-                  for size, dtype in model_tensors(str(checkpoint)).values())  # fmt: skip
-    return {"peak_rss": peak, "baseline_rss": baseline, "model_bytes": model_bytes,
-            "largest_tensor_bytes": largest, "seconds": seconds}  # fmt: skip
+    largest = max(
+        size.numel() * dtype.itemsize for size, dtype in model_tensors(str(checkpoint)).values()
+    )
+    return {
+        "peak_rss": peak,
+        "baseline_rss": baseline,
+        "model_bytes": model_bytes,
+        "largest_tensor_bytes": largest,
+        "seconds": seconds,
+    }
 
 
 # --- (c) the driver's commit ---------------------------------------------------------------------

@@ -34,11 +34,13 @@ SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 50, 5
 STEP_DELAY_S = 0.1  # both systems: lets each fault play out before the next one
 # (what, chaos action): the re-formations of our run, in the order they happen. A rank death
 # re-forms at once on the survivors, then grows back onto the replacement once it is warm.
-INCIDENTS = [("rank death", {"at_step": 6, "action": "kill_rank", "target": 1}),
-             ("rank death: grown back", None),
-             ("node loss", {"at_step": 14, "action": "kill_node", "target": 3}),
-             ("node arrival", {"at_step": 22, "action": "add_node"}),
-             ("preemption with notice", {"at_step": 38, "action": "preempt_node", "target": 3})]  # fmt: skip
+INCIDENTS = [
+    ("rank death", {"at_step": 6, "action": "kill_rank", "target": 1}),
+    ("rank death: grown back", None),
+    ("node loss", {"at_step": 14, "action": "kill_node", "target": 3}),
+    ("node arrival", {"at_step": 22, "action": "add_node"}),
+    ("preemption with notice", {"at_step": 38, "action": "preempt_node", "target": 3}),
+]
 BREAKDOWN = (
     "detection_s",
     "replan_s",
@@ -52,8 +54,11 @@ BREAKDOWN = (
     "first_step_s",
     "total_s",
 )
-TARGETS = {"rank death": "total < 5 s", "node arrival": "total < 5 s + one step",
-           "preemption with notice": "0 lost steps"}  # fmt: skip
+TARGETS = {
+    "rank death": "total < 5 s",
+    "node arrival": "total < 5 s + one step",
+    "preemption with notice": "0 lost steps",
+}
 
 
 def our_recipe(scratch: Path) -> str:
@@ -89,13 +94,23 @@ def run_ours(scratch: Path) -> dict[str, dict]:
             resize, old_nodes, nodes = event, nodes, len(set(event["node_ids"]))
             old_pids, pids = pids, event["pids"]
         if event["event"] == "first_step" and resize is not None and resize["event"] == "resize":
-            row = {"old_world": resize["old_layout"]["dims"]["world_size"],
-                   "new_world": resize["new_layout"]["dims"]["world_size"],
-                   "old_nodes": old_nodes, "new_nodes": nodes,
-                   "lost_steps": resize.get("lost_steps", 0), "reason": resize["reason"]}  # fmt: skip
+            row = {
+                "old_world": resize["old_layout"]["dims"]["world_size"],
+                "new_world": resize["new_layout"]["dims"]["world_size"],
+                "old_nodes": old_nodes,
+                "new_nodes": nodes,
+                "lost_steps": resize.get("lost_steps", 0),
+                "reason": resize["reason"],
+            }
             row.update({k: event[k] for k in BREAKDOWN if k in event})
-            row["cpu"] = _cpu_split(cpu, event["time"] - event["total_s"], decided, event["time"],
-                                    set(old_pids), set(pids))  # fmt: skip
+            row["cpu"] = _cpu_split(
+                cpu,
+                event["time"] - event["total_s"],
+                decided,
+                event["time"],
+                set(old_pids),
+                set(pids),
+            )
             incidents.append(row)
             resize = None
     median_step = statistics.median(m["step_time_s"] for m in metrics)
@@ -110,8 +125,14 @@ def run_ours(scratch: Path) -> dict[str, dict]:
     return labelled
 
 
-def _cpu_split(cpu: CpuSampler, cause: float, decided: float, first_step: float,
-               old_pids: set[int], new_pids: set[int]) -> dict[str, float]:  # fmt: skip
+def _cpu_split(
+    cpu: CpuSampler,
+    cause: float,
+    decided: float,
+    first_step: float,
+    old_pids: set[int],
+    new_pids: set[int],
+) -> dict[str, float]:
     """CPU seconds on this host from a re-formation's cause to its first step, by who spent
     them: the ranks that join (their start, imports, set-up and first step), the survivors
     before the decision (training at the old size) and after it (drain, re-form, load, first
@@ -172,8 +193,10 @@ def idle_actor_start(count: int = 2) -> dict[str, float]:
         ray.get(ray.remote(lambda: None).remote())  # the driver's own start is not counted
         started = time.time()
         actor_cls = ray.remote(RankWorker)
-        actors = [actor_cls.remote(str(common.SCRATCH / "elastic" / "idle_actors"), i)
-                  for i in range(count)]  # fmt: skip
+        actors = [
+            actor_cls.remote(str(common.SCRATCH / "elastic" / "idle_actors"), i)
+            for i in range(count)
+        ]
         inits = ray.get([a.where.remote() for a in actors])
         up = time.time() - started
         warmed = ray.get([a.warmed.remote() for a in actors])
@@ -188,10 +211,16 @@ def run_ray_train(scratch: Path) -> dict:
 
     overrides = common.workload_overrides("tiny", SEQ_LEN, 10_000, GLOBAL_BATCH)
     return ray_train_elastic.run(
-        common.RECIPE, overrides, scratch / "ray_train", accelerators_per_node=2,
-        kill_at_step=INCIDENTS[2][1]["at_step"], checkpoint_every=CHECKPOINT_EVERY,
-        step_delay_s=STEP_DELAY_S, recover_timeout_s=180, grow_window_s=30,
-    )  # fmt: skip
+        common.RECIPE,
+        overrides,
+        scratch / "ray_train",
+        accelerators_per_node=2,
+        kill_at_step=INCIDENTS[2][1]["at_step"],
+        checkpoint_every=CHECKPOINT_EVERY,
+        step_delay_s=STEP_DELAY_S,
+        recover_timeout_s=180,
+        grow_window_s=30,
+    )
 
 
 def _verdict(what: str, row: dict) -> str:
@@ -217,8 +246,11 @@ def main() -> int:
     extra = sorted({what for run in ours for what in run} - {what for what, _ in INCIDENTS})
     for what in [what for what, _ in INCIDENTS] + extra:
         rows = [run[what] for run in ours if what in run]
-        case = {"system": "raytrain-dt", "incident": what,
-                "resize": f"{rows[0]['old_world']} -> {rows[0]['new_world']} ranks"}  # fmt: skip
+        case = {
+            "system": "raytrain-dt",
+            "incident": what,
+            "resize": f"{rows[0]['old_world']} -> {rows[0]['new_world']} ranks",
+        }
         for key in BREAKDOWN:
             values = [r[key] for r in rows if key in r]
             if values:
@@ -230,51 +262,83 @@ def main() -> int:
             ok &= case["status"] == "PASS"
         cases.append(case)
     ours_node_loss = cases[2]["total_s"]
-    cases.append({"system": "ray-train (num_workers=(2, 4))", "incident": "node loss",
-                  "resize": f"4 -> {peer.get('world_size_after', '?')} workers",
-                  "total_s": round(peer["recovery_s"], 3) if peer.get("recovered") else "none",
-                  "lost_steps": peer.get("lost_steps", "?")})  # fmt: skip
-    cases.append({"system": "ray-train (num_workers=(2, 4))", "incident": "node arrival",
-                  "resize": "grew back" if peer["grew_back"] else
-                  f"did not grow back within {peer['grow_window_s']} s",
-                  "total_s": round(peer["grow_s"], 3) if peer["grew_back"] else "none"})  # fmt: skip
+    cases.append(
+        {
+            "system": "ray-train (num_workers=(2, 4))",
+            "incident": "node loss",
+            "resize": f"4 -> {peer.get('world_size_after', '?')} workers",
+            "total_s": round(peer["recovery_s"], 3) if peer.get("recovered") else "none",
+            "lost_steps": peer.get("lost_steps", "?"),
+        }
+    )
+    cases.append(
+        {
+            "system": "ray-train (num_workers=(2, 4))",
+            "incident": "node arrival",
+            "resize": "grew back"
+            if peer["grew_back"]
+            else f"did not grow back within {peer['grow_window_s']} s",
+            "total_s": round(peer["grow_s"], 3) if peer["grew_back"] else "none",
+        }
+    )
     arrival_cpu = [
-        {"run": i + 1, "total_s": round(run["node arrival"]["total_s"], 2),
-         "target_s": round(5 + run["node arrival"]["median_step_s"], 2),
-         **{k: round(v, 2) for k, v in run["node arrival"]["cpu"].items()}}
+        {
+            "run": i + 1,
+            "total_s": round(run["node arrival"]["total_s"], 2),
+            "target_s": round(5 + run["node arrival"]["median_step_s"], 2),
+            **{k: round(v, 2) for k, v in run["node arrival"]["cpu"].items()},
+        }
         for i, run in enumerate(ours)
-    ]  # fmt: skip
+    ]
     ratio = peer["recovery_s"] / ours_node_loss if peer.get("recovered") else None
-    cases.append({"system": "ray-train / raytrain-dt", "incident": "node loss recovery",
-                  "total_s": round(ratio, 1) if ratio else "n/a (Ray Train did not recover)"})  # fmt: skip
+    cases.append(
+        {
+            "system": "ray-train / raytrain-dt",
+            "incident": "node loss recovery",
+            "total_s": round(ratio, 1) if ratio else "n/a (Ray Train did not recover)",
+        }
+    )
     common.write_result(
-        "elastic", "Elastic recovery (issue 6): ours vs Ray Train elastic",
+        "elastic",
+        "Elastic recovery (issue 6): ours vs Ray Train elastic",
         "python bench/bench_elastic.py",
         "rank death -> first step at the new size < 5 s; node arrival -> training at the larger "
-        "size < 5 s + one step; 0 lost steps per preemption with notice", cases,
-        notes=(f"tiny preset, seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}, 2 simulated nodes "
-               f"x 2 accelerators, checkpoint every {CHECKPOINT_EVERY} steps, "
-               f"{STEP_DELAY_S} s delay per step in both systems; ours: {args.repeats} run(s), "
-               "medians; times in seconds from the cause to the first step at the new layout "
-               "(checkpoint load includes the optimizer-state init; warm-up: the first step's "
-               "one-time DTensor sharding work). "
-               "Ray Train: RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10, from node removal to its "
-               f"first step at the smaller size; fit error: {peer.get('fit_error')}; 1-min load "
-               f"average at the end {common.load_average():.1f}"),
+        "size < 5 s + one step; 0 lost steps per preemption with notice",
+        cases,
+        notes=(
+            f"tiny preset, seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}, 2 simulated nodes "
+            f"x 2 accelerators, checkpoint every {CHECKPOINT_EVERY} steps, "
+            f"{STEP_DELAY_S} s delay per step in both systems; ours: {args.repeats} run(s), "
+            "medians; times in seconds from the cause to the first step at the new layout "
+            "(checkpoint load includes the optimizer-state init; warm-up: the first step's "
+            "one-time DTensor sharding work). "
+            "Ray Train: RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S=10, from node removal to its "
+            f"first step at the smaller size; fit error: {peer.get('fit_error')}; 1-min load "
+            f"average at the end {common.load_average():.1f}"
+        ),
         ray_train=peer,
-        tables=[{"title": "Node arrival: this host's CPU seconds from the arrival to the first "
-                          "step at the larger size, by who spent them (floor_s: the joining "
-                          "ranks' and the survivors' post-decision work over all "
-                          f"{os.cpu_count()} cores)", "cases": arrival_cpu},
-                {"title": "Rank actors started at once on an idle host (no training, no other "
-                          "node starting): up = torch imported, warmed = lazy imports done",
-                 "cases": [idle_start]}],
-    )  # fmt: skip
+        tables=[
+            {
+                "title": "Node arrival: this host's CPU seconds from the arrival to the first "
+                "step at the larger size, by who spent them (floor_s: the joining "
+                "ranks' and the survivors' post-decision work over all "
+                f"{os.cpu_count()} cores)",
+                "cases": arrival_cpu,
+            },
+            {
+                "title": "Rank actors started at once on an idle host (no training, no other "
+                "node starting): up = torch imported, warmed = lazy imports done",
+                "cases": [idle_start],
+            },
+        ],
+    )
     rt = f"{peer['recovery_s']:.1f}s" if peer.get("recovered") else "no recovery"
-    print(f"elastic: rank death {cases[0]['total_s']:.2f}s, node loss {ours_node_loss:.2f}s, node "
-          f"arrival {cases[3]['total_s']:.2f}s, preemption lost steps {cases[4]['lost_steps']}; "
-          f"Ray Train node loss {rt} ({f'{ratio:.1f}x ours' if ratio else 'n/a'}), grew back: "
-          f"{peer['grew_back']}")  # fmt: skip
+    print(
+        f"elastic: rank death {cases[0]['total_s']:.2f}s, node loss {ours_node_loss:.2f}s, node "
+        f"arrival {cases[3]['total_s']:.2f}s, preemption lost steps {cases[4]['lost_steps']}; "
+        f"Ray Train node loss {rt} ({f'{ratio:.1f}x ours' if ratio else 'n/a'}), grew back: "
+        f"{peer['grew_back']}"
+    )
     return 0 if ok else 1
 
 

@@ -54,11 +54,14 @@ def _measure(preset: str, seq_len: int, global_batch: int, steps: int) -> dict:
     metrics = common.read_jsonl(run_dir / "metrics.jsonl")
     warmup = min(5, len(metrics) // 2)
     return {
-        "system": "raytrain-dt", "model": preset, "gpus": "1 x " + _gpu_name(),
-        "tokens_per_s_per_gpu": round(common.steady_median([m["tokens_per_s"] for m in metrics],
-                                                           warmup)),
+        "system": "raytrain-dt",
+        "model": preset,
+        "gpus": "1 x " + _gpu_name(),
+        "tokens_per_s_per_gpu": round(
+            common.steady_median([m["tokens_per_s"] for m in metrics], warmup)
+        ),
         "mfu": round(common.steady_median([m["mfu"] for m in metrics], warmup), 4),
-    }  # fmt: skip
+    }
 
 
 def _gpu_name() -> str:
@@ -77,20 +80,34 @@ def main() -> int:
     command = "python bench/bench_gpu.py"
     target = f"MFU >= {TARGET_MFU:.0%} for llama-1b on one H100/A100 (bf16, FSDP2)"
     if not torch.cuda.is_available():
-        common.write_result("gpu", title, command, target, PUBLISHED, status="not measured",
-                            notes="not measured: torch sees no CUDA device on this machine, and "
-                            "no GPU machine was lent to the session that wrote this; rows are "
-                            "torchtitan's published figures for comparison")  # fmt: skip
+        common.write_result(
+            "gpu",
+            title,
+            command,
+            target,
+            PUBLISHED,
+            status="not measured",
+            notes="not measured: torch sees no CUDA device on this machine, and "
+            "no GPU machine was lent to the session that wrote this; rows are "
+            "torchtitan's published figures for comparison",
+        )
         print("no CUDA device: nothing measured (recorded in bench/results/gpu.json)")
         return 0
     cases = [_measure(preset, seq, batch, args.steps) for preset, seq, batch in CASES]
     one_b = next(c for c in cases if c["model"] == "llama-1b")
     passed = one_b["mfu"] >= TARGET_MFU
-    common.write_result("gpu", title, command, target, cases + PUBLISHED,
-                        status="PASS" if passed else "FAIL",
-                        notes=f"{args.steps} steps, first 5 dropped, bf16, one rank")  # fmt: skip
-    print(f"{'PASS' if passed else 'FAIL'}: llama-1b MFU {one_b['mfu']:.1%} (target "
-          f"{TARGET_MFU:.0%})")  # fmt: skip
+    common.write_result(
+        "gpu",
+        title,
+        command,
+        target,
+        cases + PUBLISHED,
+        status="PASS" if passed else "FAIL",
+        notes=f"{args.steps} steps, first 5 dropped, bf16, one rank",
+    )
+    print(
+        f"{'PASS' if passed else 'FAIL'}: llama-1b MFU {one_b['mfu']:.1%} (target {TARGET_MFU:.0%})"
+    )
     return 0 if passed else 1
 
 

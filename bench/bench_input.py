@@ -45,9 +45,16 @@ def drain_rate(repeats: int) -> list[float]:
     cfg = load_config(common.RECIPE, common.workload_overrides(PRESET, SEQ_LEN, 1, GLOBAL_BATCH))
     dataset = TokenDataset.open(cfg.data.path, SEQ_LEN)
     dp = PINS["parallel.dp_shard"]
-    data = DataSlice(dataset=dataset, shuffle_seed=cfg.data.shuffle_seed, consumed_samples=0,
-                     num_steps=DRAIN_ROWS * dp // GLOBAL_BATCH, global_batch=GLOBAL_BATCH, dp=dp, dp_rank=0,
-                     micro_batch=PINS["trainer.micro_batch"])  # fmt: skip
+    data = DataSlice(
+        dataset=dataset,
+        shuffle_seed=cfg.data.shuffle_seed,
+        consumed_samples=0,
+        num_steps=DRAIN_ROWS * dp // GLOBAL_BATCH,
+        global_batch=GLOBAL_BATCH,
+        dp=dp,
+        dp_rank=0,
+        micro_batch=PINS["trainer.micro_batch"],
+    )
     rates = []
     ray.init(
         address="local",
@@ -85,24 +92,39 @@ def main() -> int:
     rate = statistics.median(rates)
     ok = share < TARGET_SHARE
     cases = [
-        {"measure": "data wait / step time (rank 0)", "value": f"{share:.2%}",
-         "per_repeat": [f"{s:.2%}" for s, _ in waits], "status": "PASS" if ok else "FAIL"},
-        {"measure": "median step time (s)", "value": round(step_s, 4),
-         "per_repeat": [round(t, 4) for _, t in waits]},
+        {
+            "measure": "data wait / step time (rank 0)",
+            "value": f"{share:.2%}",
+            "per_repeat": [f"{s:.2%}" for s, _ in waits],
+            "status": "PASS" if ok else "FAIL",
+        },
+        {
+            "measure": "median step time (s)",
+            "value": round(step_s, 4),
+            "per_repeat": [round(t, 4) for _, t in waits],
+        },
         {"measure": "consumption per DP rank (samples/s)", "value": round(consumption, 1)},
-        {"measure": "pipeline drained alone, one DP rank (samples/s)", "value": round(rate, 1),
-         "per_repeat": [round(r, 1) for r in rates]},
+        {
+            "measure": "pipeline drained alone, one DP rank (samples/s)",
+            "value": round(rate, 1),
+            "per_repeat": [round(r, 1) for r in rates],
+        },
         {"measure": "pipeline rate / consumption", "value": round(rate / consumption, 1)},
-    ]  # fmt: skip
+    ]
     common.write_result(
-        "input", "Input pipeline: data wait and throughput", "python bench/bench_input.py",
-        f"data wait < {TARGET_SHARE:.0%} of step time", cases,
+        "input",
+        "Input pipeline: data wait and throughput",
+        "python bench/bench_input.py",
+        f"data wait < {TARGET_SHARE:.0%} of step time",
+        cases,
         notes=f"preset {PRESET}, seq_len {SEQ_LEN}, global batch {GLOBAL_BATCH}, 2 ranks; "
         f"{args.steps} steps, first {args.warmup} dropped; drain: {DRAIN_ROWS} rows of rank 0 "
         f"with prefetch as configured; 1-min load average at the end {common.load_average():.1f}",
-    )  # fmt: skip
-    print(f"input: data wait {share:.2%} of step time (target < {TARGET_SHARE:.0%}); pipeline "
-          f"{rate:.0f} samples/s alone vs {consumption:.1f} consumed ({rate / consumption:.0f}x)")  # fmt: skip
+    )
+    print(
+        f"input: data wait {share:.2%} of step time (target < {TARGET_SHARE:.0%}); pipeline "
+        f"{rate:.0f} samples/s alone vs {consumption:.1f} consumed ({rate / consumption:.0f}x)"
+    )
     return 0 if ok else 1
 
 

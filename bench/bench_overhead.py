@@ -34,13 +34,27 @@ import common
 PRESET, SEQ_LEN, GLOBAL_BATCH = "small", 64, 2
 # The preset narrowed so that a step takes about 100 ms here (the full preset: about 0.5 s),
 # where the orchestration's per-step costs show.
-SHAPE = ["model.dim=256", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=4",
-         "model.ffn_hidden=688"]  # fmt: skip
+SHAPE = [
+    "model.dim=256",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "model.ffn_hidden=688",
+]
 # Pinned so all three run the identical layout (the planner might pick another for ours).
-LAYOUT = {"dims": {"world_size": 2, "dp_shard": 2}, "zero_stage": 3,
-          "micro_batch": GLOBAL_BATCH // 2, "grad_accum": 1}  # fmt: skip
-PINS = {"parallel.dp_shard": 2, "engine.zero_stage": 3, "trainer.micro_batch": GLOBAL_BATCH // 2,
-        "trainer.grad_accum": 1, "cluster.num_ranks": 2}  # fmt: skip
+LAYOUT = {
+    "dims": {"world_size": 2, "dp_shard": 2},
+    "zero_stage": 3,
+    "micro_batch": GLOBAL_BATCH // 2,
+    "grad_accum": 1,
+}
+PINS = {
+    "parallel.dp_shard": 2,
+    "engine.zero_stage": 3,
+    "trainer.micro_batch": GLOBAL_BATCH // 2,
+    "trainer.grad_accum": 1,
+    "cluster.num_ranks": 2,
+}
 TARGET = 1.05
 
 
@@ -50,16 +64,24 @@ def workload(steps: int) -> list[str]:
 
 
 def fn_config(overrides: list[str], out: Path, destroy: bool) -> dict:
-    return {"recipe": common.RECIPE, "overrides": overrides, "layout": LAYOUT, "out": str(out),
-            "destroy": destroy}  # fmt: skip
+    return {
+        "recipe": common.RECIPE,
+        "overrides": overrides,
+        "layout": LAYOUT,
+        "out": str(out),
+        "destroy": destroy,
+    }
 
 
 def run_ours(overrides: list[str], run_dir: Path) -> dict:
     common.run_train(run_dir, overrides)
     metrics = common.read_jsonl(run_dir / "metrics.jsonl")
-    return {"step_times": [m["step_time_s"] for m in metrics], "losses": [m["loss"] for m in metrics],
-            "data_wait": [m["data_wait_s"] for m in metrics],
-            "step_ends": [m["time"] for m in metrics]}  # fmt: skip
+    return {
+        "step_times": [m["step_time_s"] for m in metrics],
+        "losses": [m["loss"] for m in metrics],
+        "data_wait": [m["data_wait_s"] for m in metrics],
+        "step_ends": [m["time"] for m in metrics],
+    }
 
 
 def run_torchrun(overrides: list[str], scratch: Path) -> dict:
@@ -68,11 +90,24 @@ def run_torchrun(overrides: list[str], scratch: Path) -> dict:
     out = scratch / "torchrun.json"
     config = scratch / "torchrun_config.json"
     config.write_text(json.dumps(fn_config(overrides, out, destroy=True)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-port", str(free_port()), str(Path(__file__).parent / "torchrun_fsdp2.py"),
-               str(config)]  # fmt: skip
-    proc = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(free_port()),
+        str(Path(__file__).parent / "torchrun_fsdp2.py"),
+        str(config),
+    ]
+    proc = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     if proc.returncode != 0:
         raise RuntimeError(f"torchrun failed:\n{proc.stderr[-3000:]}")
     return json.loads(out.read_text())
@@ -89,8 +124,13 @@ def run_ray_train(overrides: list[str], scratch: Path) -> dict:
     ray.cloudpickle.register_pickle_by_value(torchrun_fsdp2)
     out = scratch / "ray_train.json"
     temp_dir = tempfile.mkdtemp(prefix="rt_", dir="/tmp")  # short: Ray's socket paths
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             _temp_dir=temp_dir)  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        log_to_driver=False,
+        _temp_dir=temp_dir,
+    )
     try:
         trainer = TorchTrainer(
             torchrun_fsdp2.train_fn,
@@ -117,9 +157,11 @@ def main() -> int:
     overrides = workload(args.steps)
     scratch = common.SCRATCH / "overhead"
     scratch.mkdir(parents=True, exist_ok=True)
-    runners = {"raytrain-dt": lambda: run_ours(overrides, scratch / "run"),
-               "torchrun": lambda: run_torchrun(overrides, scratch),
-               "ray-train": lambda: run_ray_train(overrides, scratch)}  # fmt: skip
+    runners = {
+        "raytrain-dt": lambda: run_ours(overrides, scratch / "run"),
+        "torchrun": lambda: run_torchrun(overrides, scratch),
+        "ray-train": lambda: run_ray_train(overrides, scratch),
+    }
     inside = {name: [] for name in runners}  # median timed step, per repeat
     period = {name: [] for name in runners}  # steady seconds per step, per repeat
     losses: dict[str, list[float]] = {}
@@ -132,51 +174,70 @@ def main() -> int:
             period[name].append(common.steady_period(result["step_ends"], args.warmup))
             losses[name] = result["losses"]
             if "data_wait" in result:
-                wait_shares.append(sum(result["data_wait"][args.warmup:])
-                                   / sum(result["step_times"][args.warmup:]))  # fmt: skip
+                wait_shares.append(
+                    sum(result["data_wait"][args.warmup :])
+                    / sum(result["step_times"][args.warmup :])
+                )
     # The same workload: identical batches and init give identical first-step losses.
-    loss_diff = max(abs(a - b) for name in ("torchrun", "ray-train")
-                    for a, b in zip(losses["raytrain-dt"][:5], losses[name][:5]))  # fmt: skip
+    loss_diff = max(
+        abs(a - b)
+        for name in ("torchrun", "ray-train")
+        for a, b in zip(losses["raytrain-dt"][:5], losses[name][:5])
+    )
     cases = []
     for name in runners:
-        cases.append({"system": name, "period_s": round(statistics.median(period[name]), 4),
-                      "period_per_repeat_s": [round(x, 4) for x in period[name]],
-                      "timed_step_s": round(statistics.median(inside[name]), 4),
-                      "timed_step_per_repeat_s": [round(x, 4) for x in inside[name]]})  # fmt: skip
+        cases.append(
+            {
+                "system": name,
+                "period_s": round(statistics.median(period[name]), 4),
+                "period_per_repeat_s": [round(x, 4) for x in period[name]],
+                "timed_step_s": round(statistics.median(inside[name]), 4),
+                "timed_step_per_repeat_s": [round(x, 4) for x in inside[name]],
+            }
+        )
     ratios = {}
     for peer in ("torchrun", "ray-train"):
         per_repeat = [o / p for o, p in zip(period["raytrain-dt"], period[peer])]
         timed = [o / p for o, p in zip(inside["raytrain-dt"], inside[peer])]
         ratios[peer] = statistics.median(per_repeat)
-        case = {"system": f"raytrain-dt / {peer}", "period_s": round(ratios[peer], 3),
-                "period_per_repeat_s": [round(x, 3) for x in per_repeat],
-                "timed_step_s": round(statistics.median(timed), 3),
-                "timed_step_per_repeat_s": [round(x, 3) for x in timed]}  # fmt: skip
+        case = {
+            "system": f"raytrain-dt / {peer}",
+            "period_s": round(ratios[peer], 3),
+            "period_per_repeat_s": [round(x, 3) for x in per_repeat],
+            "timed_step_s": round(statistics.median(timed), 3),
+            "timed_step_per_repeat_s": [round(x, 3) for x in timed],
+        }
         if peer == "torchrun":
             case["status"] = "PASS" if ratios[peer] <= TARGET else "FAIL"
         cases.append(case)
     common.write_result(
-        "overhead", "Orchestration overhead: steady-state step time",
+        "overhead",
+        "Orchestration overhead: steady-state step time",
         "python bench/bench_overhead.py",
         f"raytrain-dt seconds per step <= {TARGET}x plain torchrun (same model, layout, data, "
-        "FSDP2)", cases,
-        notes=(f"preset {PRESET} narrowed ({', '.join(SHAPE)}), seq_len {SEQ_LEN}, "
-               f"global batch {GLOBAL_BATCH}, dp_shard=2 "
-               f"ZeRO-3, 2 ranks, gloo, fp32; {args.steps} steps, first {args.warmup} dropped, "
-               f"{args.repeats} repeats run back to back, ratio rows are medians of per-repeat "
-               "ratios. period_s: steady seconds per step (slope of step end times; ours from "
-               "metrics.jsonl arrival times), the headline; timed_step_s: median of the time "
-               "inside the step (batch fetch + optimizer step). Max |loss diff| over the first 5 "
-               f"steps vs ours {loss_diff:.2e}; data wait share in ours "
-               f"{statistics.median(wait_shares):.2%}; 1-min load average during runs "
-               f"{min(load):.1f}-{max(load):.1f}"),
+        "FSDP2)",
+        cases,
+        notes=(
+            f"preset {PRESET} narrowed ({', '.join(SHAPE)}), seq_len {SEQ_LEN}, "
+            f"global batch {GLOBAL_BATCH}, dp_shard=2 "
+            f"ZeRO-3, 2 ranks, gloo, fp32; {args.steps} steps, first {args.warmup} dropped, "
+            f"{args.repeats} repeats run back to back, ratio rows are medians of per-repeat "
+            "ratios. period_s: steady seconds per step (slope of step end times; ours from "
+            "metrics.jsonl arrival times), the headline; timed_step_s: median of the time "
+            "inside the step (batch fetch + optimizer step). Max |loss diff| over the first 5 "
+            f"steps vs ours {loss_diff:.2e}; data wait share in ours "
+            f"{statistics.median(wait_shares):.2%}; 1-min load average during runs "
+            f"{min(load):.1f}-{max(load):.1f}"
+        ),
         loss_diff_first5=loss_diff,
-    )  # fmt: skip
+    )
     ms = {name: statistics.median(period[name]) * 1e3 for name in runners}
-    print(f"overhead: raytrain-dt {ms['raytrain-dt']:.0f} ms/step, torchrun {ms['torchrun']:.0f} "
-          f"ms, ray-train {ms['ray-train']:.0f} ms; ratio to torchrun {ratios['torchrun']:.3f} "
-          f"(target <= {TARGET}), to Ray Train {ratios['ray-train']:.3f}; loss diff "
-          f"{loss_diff:.1e}")  # fmt: skip
+    print(
+        f"overhead: raytrain-dt {ms['raytrain-dt']:.0f} ms/step, torchrun {ms['torchrun']:.0f} "
+        f"ms, ray-train {ms['ray-train']:.0f} ms; ratio to torchrun {ratios['torchrun']:.3f} "
+        f"(target <= {TARGET}), to Ray Train {ratios['ray-train']:.3f}; loss diff "
+        f"{loss_diff:.1e}"
+    )
     return 0 if ratios["torchrun"] <= TARGET else 1
 
 

@@ -49,39 +49,58 @@ def main() -> int:
     median = statistics.median(times)
     result = runs[0]
     simulations = len(result["sweep"])
-    speed = [{
-        "case": f"{MODEL} {NODES}x{GPUS_PER_NODE}, {DAYS} days: {simulations} simulations "
-                f"(3 policies x {simulations // 3} checkpoint intervals)",
-        "trace_events": sum(result["trace"][k] for k in ("notice", "down", "up")),
-        "plans_computed": result["plans_computed"],
-        "median_s": round(median, 2), "min_s": round(min(times), 2), "max_s": round(max(times), 2),
-        "repeats": args.repeats,
-    }]  # fmt: skip
+    speed = [
+        {
+            "case": f"{MODEL} {NODES}x{GPUS_PER_NODE}, {DAYS} days: {simulations} simulations "
+            f"(3 policies x {simulations // 3} checkpoint intervals)",
+            "trace_events": sum(result["trace"][k] for k in ("notice", "down", "up")),
+            "plans_computed": result["plans_computed"],
+            "median_s": round(median, 2),
+            "min_s": round(min(times), 2),
+            "max_s": round(max(times), 2),
+            "repeats": args.repeats,
+        }
+    ]
     tables = []
     for batch in (default_batch, 1920):
         r = result if batch == default_batch else simulate_once(batch)
-        rows = [{"policy": row["policy"], "goodput": round(row["goodput"], 3),
-                 "steps_lost": row["steps_lost"], "down_h": round(row["down_h"], 1),
-                 "degraded_h": round(row["degraded_h"], 1), "failures": row["failures"],
-                 "jit_saves": row["drains"], "spot_saving": f"{row['spot_saving']:+.0%}",
-                 "best_interval_steps": r["best_interval"][row["policy"]]["ckpt_every"],
-                 "best_interval_goodput": round(r["best_interval"][row["policy"]]["goodput"], 3)}
-                for row in r["comparison"]]  # fmt: skip
-        tables.append({"title": f"Policies, global batch {batch} (best layout {r['best_layout']}, "
-                                f"{r['best_step_s']:.3f} s/step)", "cases": rows})  # fmt: skip
+        rows = [
+            {
+                "policy": row["policy"],
+                "goodput": round(row["goodput"], 3),
+                "steps_lost": row["steps_lost"],
+                "down_h": round(row["down_h"], 1),
+                "degraded_h": round(row["degraded_h"], 1),
+                "failures": row["failures"],
+                "jit_saves": row["drains"],
+                "spot_saving": f"{row['spot_saving']:+.0%}",
+                "best_interval_steps": r["best_interval"][row["policy"]]["ckpt_every"],
+                "best_interval_goodput": round(r["best_interval"][row["policy"]]["goodput"], 3),
+            }
+            for row in r["comparison"]
+        ]
+        tables.append(
+            {
+                "title": f"Policies, global batch {batch} (best layout {r['best_layout']}, "
+                f"{r['best_step_s']:.3f} s/step)",
+                "cases": rows,
+            }
+        )
     ok = median < TARGET_S
-    print(f"simulator: {NODES}x{GPUS_PER_NODE} {MODEL} {DAYS} days, {simulations} simulations in "
-          f"{median:.1f} s median ({'meets' if ok else 'MISSES'} < {TARGET_S:.0f} s)")  # fmt: skip
+    print(
+        f"simulator: {NODES}x{GPUS_PER_NODE} {MODEL} {DAYS} days, {simulations} simulations in "
+        f"{median:.1f} s median ({'meets' if ok else 'MISSES'} < {TARGET_S:.0f} s)"
+    )
     record = {
         "title": "Elasticity simulator",
         "command": "python bench/bench_simulator.py",
         "target": f"7 simulated days of a 1,024-node x 8 GPU run in under {TARGET_S:.0f} s",
         "notes": "synthetic trace seed 0 (TraceSpec defaults: ~1 preemption per node-month with "
-                 "2-minute notices, failures without notice, 64-node zone outages); costs are "
-                 "the simulator's documented defaults (raytrain_dt/sim/costs.py)",
+        "2-minute notices, failures without notice, 64-node zone outages); costs are "
+        "the simulator's documented defaults (raytrain_dt/sim/costs.py)",
         "cases": speed,
         "tables": tables,
-    }  # fmt: skip
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

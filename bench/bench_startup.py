@@ -27,8 +27,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).parent))
 import common
 
-PARTS = ("imports_and_checks_s", "ray_start_s", "actor_start_s", "process_group_s",
-         "model_build_s", "data_start_s", "first_step_s", "other_s")  # fmt: skip
+PARTS = (
+    "imports_and_checks_s",
+    "ray_start_s",
+    "actor_start_s",
+    "process_group_s",
+    "model_build_s",
+    "data_start_s",
+    "first_step_s",
+    "other_s",
+)
 # A rank's set-up on its critical path (`data_wait_s`: only where input opens alongside the rest).
 SETUP_PARTS = ("process_group_s", "model_build_s", "data_wait_s")
 
@@ -71,17 +79,25 @@ def main() -> int:
     cases = []
     for part in (*PARTS, "total_s", "data_start_concurrent_s"):
         values = [s[part] for s in samples]
-        cases.append({"part": part.removesuffix("_s"), "median_s": round(statistics.median(values), 3),
-                      "per_repeat_s": [round(v, 3) for v in values]})  # fmt: skip
+        cases.append(
+            {
+                "part": part.removesuffix("_s"),
+                "median_s": round(statistics.median(values), 3),
+                "per_repeat_s": [round(v, 3) for v in values],
+            }
+        )
     total = statistics.median(s["total_s"] for s in samples)
     for case in cases[: len(PARTS) + 1]:  # the concurrent data start is no share of it
         case["share"] = f"{case['median_s'] / total:.0%}"
     common.write_result(
-        "startup", "Start-up: command to first completed step", "python bench/bench_startup.py",
-        "each part named and measured (no numeric target in the issue)", cases,
+        "startup",
+        "Start-up: command to first completed step",
+        "python bench/bench_startup.py",
+        "each part named and measured (no numeric target in the issue)",
+        cases,
         notes=f"tiny preset, 2 ranks on embedded Ray, {args.repeats} repeats, fresh process each; "
         f"1-min load average at the end {common.load_average():.1f}",
-    )  # fmt: skip
+    )
     medians = {c["part"]: c["median_s"] for c in cases}
     print("startup: " + ", ".join(f"{k} {v:.2f}s" for k, v in medians.items()))
     return 0

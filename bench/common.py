@@ -33,8 +33,9 @@ def dataset_path(seq_len: int) -> str:
     return str(path)
 
 
-def workload_overrides(preset: str, seq_len: int, steps: int, global_batch: int,
-                       layout: dict | None = None) -> list[str]:  # fmt: skip
+def workload_overrides(
+    preset: str, seq_len: int, steps: int, global_batch: int, layout: dict | None = None
+) -> list[str]:
     """Dotlist for one benchmark workload: no checkpoints, short warmup, layout pinned if given."""
     overrides = [
         f"model.preset={preset}",
@@ -54,17 +55,31 @@ def workload_overrides(preset: str, seq_len: int, steps: int, global_batch: int,
     return overrides
 
 
-def run_train(run_dir: Path, overrides: list[str], recipe: str = RECIPE,
-              timeout_s: float = 900.0) -> float:  # fmt: skip
+def run_train(
+    run_dir: Path, overrides: list[str], recipe: str = RECIPE, timeout_s: float = 900.0
+) -> float:
     """`raytrain-dt train` in a fresh process (embedded Ray); returns its wall time in seconds."""
     import shutil
 
     shutil.rmtree(run_dir, ignore_errors=True)
-    command = [sys.executable, "-m", "raytrain_dt.cli", "train", recipe, f"run.dir={run_dir}",
-               *overrides]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_dt.cli",
+        "train",
+        recipe,
+        f"run.dir={run_dir}",
+        *overrides,
+    ]
     started = time.perf_counter()
-    proc = subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "RAY_DEDUP_LOGS": "0"})  # fmt: skip
+    proc = subprocess.run(
+        command,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "RAY_DEDUP_LOGS": "0"},
+    )
     wall = time.perf_counter() - started
     if proc.returncode != 0:
         raise RuntimeError(f"raytrain-dt train failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -94,14 +109,22 @@ def steady_period(step_ends: list[float], warmup: int) -> float:
     return float(np.polyfit(np.arange(len(ends)), ends - ends[0], 1)[0])
 
 
-def write_result(name: str, title: str, command: str, target: str, cases: list[dict],
-                 notes: str = "", **extra) -> Path:  # fmt: skip
+def write_result(
+    name: str, title: str, command: str, target: str, cases: list[dict], notes: str = "", **extra
+) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
-    record = {"title": title, "command": command, "target": target, "notes": notes,
-              "python": platform.python_version(), "machine": platform.machine(),
-              "cpus": os.cpu_count(), "measured_at": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                 time.gmtime()),
-              "cases": cases, **extra}  # fmt: skip
+    record = {
+        "title": title,
+        "command": command,
+        "target": target,
+        "notes": notes,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "cpus": os.cpu_count(),
+        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "cases": cases,
+        **extra,
+    }
     path = RESULTS / f"{name}.json"
     tmp = path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(record, indent=2) + "\n")

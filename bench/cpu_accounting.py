@@ -64,8 +64,9 @@ class CpuSampler:
         was first seen; its last value after it was last seen)."""
         i = bisect.bisect_left(self.times, when)
         after = next((j for j in range(i, len(self.times)) if pid in self.samples[j]), None)
-        before = next((j for j in range(min(i, len(self.times)) - 1, -1, -1)
-                       if pid in self.samples[j]), None)  # fmt: skip
+        before = next(
+            (j for j in range(min(i, len(self.times)) - 1, -1, -1) if pid in self.samples[j]), None
+        )
         if before is None:
             return 0.0
         if after is None or self.times[after] == self.times[before]:

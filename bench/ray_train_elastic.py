@@ -64,8 +64,17 @@ def train_fn(config: dict) -> None:
         )
         if rank == 0:
             with progress.open("a") as out:
-                out.write(json.dumps({"time": time.time(), "step": step + 1, "world_size": world,
-                                      "loss": result.loss}) + "\n")  # fmt: skip
+                out.write(
+                    json.dumps(
+                        {
+                            "time": time.time(),
+                            "step": step + 1,
+                            "world_size": world,
+                            "loss": result.loss,
+                        }
+                    )
+                    + "\n"
+                )
         time.sleep(config["step_delay_s"])
         if (step + 1) % config["checkpoint_every"] == 0:
             directory = Path(config["scratch"]) / f"ckpt_{step + 1}_{world}"
@@ -73,8 +82,12 @@ def train_fn(config: dict) -> None:
             if rank == 0:
                 (directory / "step.json").write_text(json.dumps({"step": step + 1}))
             dist.barrier()
-            ray.train.report({"step": step + 1}, checkpoint=(
-                ray.train.Checkpoint.from_directory(str(directory)) if rank == 0 else None))  # fmt: skip
+            ray.train.report(
+                {"step": step + 1},
+                checkpoint=(
+                    ray.train.Checkpoint.from_directory(str(directory)) if rank == 0 else None
+                ),
+            )
 
 
 def _read(progress: Path) -> list[dict]:
@@ -93,9 +106,17 @@ def _wait_for(progress: Path, predicate, timeout_s: float) -> dict | None:
     return None
 
 
-def run(recipe: str, overrides: list[str], scratch: Path, accelerators_per_node: int,
-        kill_at_step: int, checkpoint_every: int, step_delay_s: float,
-        recover_timeout_s: float, grow_window_s: float) -> dict:  # fmt: skip
+def run(
+    recipe: str,
+    overrides: list[str],
+    scratch: Path,
+    accelerators_per_node: int,
+    kill_at_step: int,
+    checkpoint_every: int,
+    step_delay_s: float,
+    recover_timeout_s: float,
+    grow_window_s: float,
+) -> dict:
     """One elastic Ray Train run with a node lost and re-added; returns what was measured."""
     import ray
     import ray.cloudpickle
@@ -115,33 +136,54 @@ def run(recipe: str, overrides: list[str], scratch: Path, accelerators_per_node:
         "resources": {"accelerator": accelerators_per_node},
     }
     temp_dir = tempfile.mkdtemp(prefix="rtel_", dir="/tmp")  # short: Ray's socket paths
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 4, "include_dashboard": False, "temp_dir": temp_dir,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3}})  # fmt: skip
+    cluster = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 4,
+            "include_dashboard": False,
+            "temp_dir": temp_dir,
+            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        },
+    )
     workers = [cluster.add_node(**node_args) for _ in range(2)]
     cluster.wait_for_nodes()
-    ray.init(address=cluster.address, log_to_driver=False,
-             runtime_env={"env_vars": START_TIMEOUT_ENV})  # fmt: skip
+    ray.init(
+        address=cluster.address, log_to_driver=False, runtime_env={"env_vars": START_TIMEOUT_ENV}
+    )
     max_workers = 2 * accelerators_per_node
     trainer = TorchTrainer(
         train_fn,
-        train_loop_config={"recipe": recipe, "overrides": overrides, "progress": str(progress),
-                           "stop_file": str(stop_file), "scratch": str(scratch),
-                           "checkpoint_every": checkpoint_every, "step_delay_s": step_delay_s},
-        scaling_config=ScalingConfig(num_workers=(accelerators_per_node, max_workers),
-                                     use_gpu=False,
-                                     resources_per_worker={"CPU": 0.25, "accelerator": 1}),
+        train_loop_config={
+            "recipe": recipe,
+            "overrides": overrides,
+            "progress": str(progress),
+            "stop_file": str(stop_file),
+            "scratch": str(scratch),
+            "checkpoint_every": checkpoint_every,
+            "step_delay_s": step_delay_s,
+        },
+        scaling_config=ScalingConfig(
+            num_workers=(accelerators_per_node, max_workers),
+            use_gpu=False,
+            resources_per_worker={"CPU": 0.25, "accelerator": 1},
+        ),
         torch_config=TorchConfig(backend="gloo"),
-        run_config=RunConfig(storage_path=str(scratch / "storage"), name="elastic",
-                             failure_config=FailureConfig(max_failures=5)),
-    )  # fmt: skip
+        run_config=RunConfig(
+            storage_path=str(scratch / "storage"),
+            name="elastic",
+            failure_config=FailureConfig(max_failures=5),
+        ),
+    )
     outcome: dict = {}
     fit = threading.Thread(target=lambda: outcome.update(result=_fit(trainer)), daemon=True)
     fit.start()
     measured: dict = {"min_workers": accelerators_per_node, "max_workers": max_workers}
     try:
-        before = _wait_for(progress, lambda r: r["step"] >= kill_at_step
-                           and r["world_size"] == max_workers, recover_timeout_s)  # fmt: skip
+        before = _wait_for(
+            progress,
+            lambda r: r["step"] >= kill_at_step and r["world_size"] == max_workers,
+            recover_timeout_s,
+        )
         if before is None:
             raise RuntimeError(
                 f"Ray Train did not reach step {kill_at_step} at {max_workers} workers"
@@ -149,8 +191,11 @@ def run(recipe: str, overrides: list[str], scratch: Path, accelerators_per_node:
         killed_at = time.time()
         cluster.remove_node(workers[1], allow_graceful=False)
         last_before = max(r["step"] for r in _read(progress) if r["time"] <= killed_at)
-        after = _wait_for(progress, lambda r: r["time"] > killed_at
-                          and r["world_size"] < max_workers, recover_timeout_s)  # fmt: skip
+        after = _wait_for(
+            progress,
+            lambda r: r["time"] > killed_at and r["world_size"] < max_workers,
+            recover_timeout_s,
+        )
         measured["recovered"] = after is not None
         if after is not None:
             measured["recovery_s"] = after["time"] - killed_at
@@ -158,8 +203,11 @@ def run(recipe: str, overrides: list[str], scratch: Path, accelerators_per_node:
             measured["lost_steps"] = max(0, last_before - (after["step"] - 1))
         added_at = time.time()
         cluster.add_node(**node_args)
-        grown = _wait_for(progress, lambda r: r["time"] > added_at
-                          and r["world_size"] == max_workers, grow_window_s)  # fmt: skip
+        grown = _wait_for(
+            progress,
+            lambda r: r["time"] > added_at and r["world_size"] == max_workers,
+            grow_window_s,
+        )
         measured["grew_back"] = grown is not None
         measured["grow_window_s"] = grow_window_s
         if grown is not None:

@@ -65,8 +65,10 @@ def render() -> str:
     ]
     if SUITE.exists():
         suite = json.loads(SUITE.read_text())
-        lines.append(f"- Last whole `make bench`: {suite['seconds'] / 60:.1f} min "
-                     f"({suite['seconds']:.0f} s; target < 15 min), finished {suite['measured_at']}")  # fmt: skip
+        lines.append(
+            f"- Last whole `make bench`: {suite['seconds'] / 60:.1f} min "
+            f"({suite['seconds']:.0f} s; target < 15 min), finished {suite['measured_at']}"
+        )
     lines.append("")
     for path in sorted(p for p in RESULTS.glob("*.json") if p != SUITE):
         record = json.loads(path.read_text())
@@ -89,10 +91,16 @@ if __name__ == "__main__":
     parser.add_argument("--suite-started", type=float, help="epoch seconds `make bench` began")
     args = parser.parse_args()
     if args.suite_started:
-        SUITE.write_text(json.dumps({
-            "seconds": round(time.time() - args.suite_started, 1),
-            "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-        }, indent=2) + "\n")  # fmt: skip
+        SUITE.write_text(
+            json.dumps(
+                {
+                    "seconds": round(time.time() - args.suite_started, 1),
+                    "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
     OUT.parent.mkdir(exist_ok=True)
     OUT.write_text(render())
     print(f"wrote {OUT}")

@@ -45,26 +45,43 @@ def train_fn(config: dict) -> None:
     engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     steps = cfg.trainer.steps
-    data = DataSlice(dataset=dataset, shuffle_seed=cfg.data.shuffle_seed, consumed_samples=0,
-                     num_steps=steps, global_batch=layout.global_batch, dp=dims.dp,
-                     dp_rank=dims.coords(rank).dp, micro_batch=layout.micro_batch)  # fmt: skip
+    data = DataSlice(
+        dataset=dataset,
+        shuffle_seed=cfg.data.shuffle_seed,
+        consumed_samples=0,
+        num_steps=steps,
+        global_batch=layout.global_batch,
+        dp=dims.dp,
+        dp_rank=dims.coords(rank).dp,
+        micro_batch=layout.micro_batch,
+    )
     positions = data.positions()
     per_step = layout.global_batch // dims.dp
     ready = time.perf_counter() - started
     step_times, step_ends, losses = [], [], []
     for step in range(steps):
         t0 = time.perf_counter()
-        ids = sample_ids(positions[step * per_step : (step + 1) * per_step],
-                         dataset.num_samples, cfg.data.shuffle_seed)  # fmt: skip
+        ids = sample_ids(
+            positions[step * per_step : (step + 1) * per_step],
+            dataset.num_samples,
+            cfg.data.shuffle_seed,
+        )
         tokens = torch.from_numpy(dataset.read(ids))
         result = engine.train_step(list(tokens.split(layout.micro_batch)), step)
         step_times.append(time.perf_counter() - t0)
         step_ends.append(time.time())
         losses.append(result.loss)
     if rank == 0:
-        Path(config["out"]).write_text(json.dumps(
-            {"step_times": step_times, "step_ends": step_ends, "losses": losses, "setup_s": ready}
-        ))  # fmt: skip
+        Path(config["out"]).write_text(
+            json.dumps(
+                {
+                    "step_times": step_times,
+                    "step_ends": step_ends,
+                    "losses": losses,
+                    "setup_s": ready,
+                }
+            )
+        )
     if config.get("destroy", True):
         dist.destroy_process_group()
 

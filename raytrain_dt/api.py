@@ -82,8 +82,17 @@ class Trainer:
     def fit(self) -> Result:
         from raytrain_dt.control.coordinator import train
 
-        run = train(self.cfg, show_progress=self.show_progress, model=self.model,
-                    dataset=self.dataset, tokenize=self.tokenize)  # fmt: skip
-        return Result(metrics=dict(run.last_metrics), run_dir=Path(run.run_dir),
-                      checkpoint=run.latest_checkpoint, final_step=run.final_step,
-                      layout=run.layout)  # fmt: skip
+        run = train(
+            self.cfg,
+            show_progress=self.show_progress,
+            model=self.model,
+            dataset=self.dataset,
+            tokenize=self.tokenize,
+        )
+        return Result(
+            metrics=dict(run.last_metrics),
+            run_dir=Path(run.run_dir),
+            checkpoint=run.latest_checkpoint,
+            final_step=run.final_step,
+            layout=run.layout,
+        )

@@ -76,19 +76,26 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     versions = state.get("versions") or {"torch": state.get("torch_version")}
     degrees = {k: v for k, v in dims.items() if k != "world_size"}
     print(f"checkpoint: {ref.uri}")
-    print(f"step: {ref.step}   consumed samples: {ref.consumed_samples}   "
-          f"tokens: {state.get('tokens', 'unrecorded')}")  # fmt: skip
-    print(f"engine: {state.get('engine')}   world size: {dims.get('world_size')}   "
-          f"zero={layout.get('zero_stage')}   degrees: {degrees}")  # fmt: skip
-    print(f"model: preset {state.get('model_preset') or state.get('model_hf')}   "
-          f"shape {state.get('model_shape')}   seq_len {state.get('seq_len')}")  # fmt: skip
-    print(f"model tensors: {len(shapes)}   parameters: "
-          f"{sum(math.prod(s) for s in shapes)}")  # fmt: skip
+    print(
+        f"step: {ref.step}   consumed samples: {ref.consumed_samples}   "
+        f"tokens: {state.get('tokens', 'unrecorded')}"
+    )
+    print(
+        f"engine: {state.get('engine')}   world size: {dims.get('world_size')}   "
+        f"zero={layout.get('zero_stage')}   degrees: {degrees}"
+    )
+    print(
+        f"model: preset {state.get('model_preset') or state.get('model_hf')}   "
+        f"shape {state.get('model_shape')}   seq_len {state.get('seq_len')}"
+    )
+    print(f"model tensors: {len(shapes)}   parameters: {sum(math.prod(s) for s in shapes)}")
     if schedule:
         print("lr scheduler: " + ", ".join(f"{k}={v}" for k, v in schedule.items()))
     rng = Location.parse(ref.uri).child(RNG_DIR).files()
-    print(f"rng states: {len(rng)} ranks   versions: "
-          + ", ".join(f"{k} {v}" for k, v in versions.items() if v))  # fmt: skip
+    print(
+        f"rng states: {len(rng)} ranks   versions: "
+        + ", ".join(f"{k} {v}" for k, v in versions.items() if v)
+    )
     print(f"files: {len(files)}   bytes: {sum(f['size'] for f in files.values())}")
     print(f"state: {_state(store, ref, checksums=args.verify)}")
     return 0
@@ -144,8 +151,16 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("src", help="a run directory or a checkpoint directory")
     p.add_argument("dst", help="the checkpoints directory to write step_<N> into")
     p.add_argument("--to", required=True, choices=["fsdp2", "deepspeed"])
-    p.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                   help="ZeRO stage of the written checkpoint (default: the source's)")  # fmt: skip
-    p.add_argument("--config", default=None,
-                   help="the run's config (default: config.yaml next to the checkpoints)")  # fmt: skip
+    p.add_argument(
+        "--zero-stage",
+        type=int,
+        choices=[0, 1, 2, 3],
+        default=None,
+        help="ZeRO stage of the written checkpoint (default: the source's)",
+    )
+    p.add_argument(
+        "--config",
+        default=None,
+        help="the run's config (default: config.yaml next to the checkpoints)",
+    )
     p.set_defaults(func=cmd_convert)

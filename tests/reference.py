@@ -65,8 +65,9 @@ def load_checkpoint_params(path: str) -> dict[str, torch.Tensor]:
     }
 
 
-def check_run_matches_reference(cfg: TrainConfig, result, steps: int,
-                                atol: float = 1e-4) -> list[dict]:  # fmt: skip
+def check_run_matches_reference(
+    cfg: TrainConfig, result, steps: int, atol: float = 1e-4
+) -> list[dict]:
     """A finished run (`RunResult`) against the single-process run: every step's loss and the
     final checkpoint's weights within `atol`, and every step's samples exactly those of the
     global order (none lost, none twice). Returns the run's metrics rows."""

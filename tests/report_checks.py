@@ -175,15 +175,24 @@ def check_report(cfg, run_dir: str | Path) -> dict:
 
     # The terminal summary prints the same numbers, rounded.
     text = format_summary(summary)
-    printed = {"steps": ("steps", 1, 0), "final loss": ("final_loss", 1, 4),
-               "wall time": ("wall_s", 1, 2), "productive": ("productive_s", 1, 2),
-               "checkpoint stall": ("checkpoint_stall_s", 1, 2),
-               "recovery": ("recovery_s", 1, 2), "lost work": ("lost_work_s", 1, 2),
-               "startup": ("startup_s", 1, 2), "failures": ("failures", 1, 0),
-               "preemptions": ("preemptions", 1, 0), "resizes": ("resizes", 1, 0),
-               "lost steps": ("lost_steps", 1, 0), "checkpoints": ("checkpoints", 1, 0),
-               "mean tokens/s": ("mean_tokens_per_s", 1, 1), "goodput": ("goodput", 100, 1),
-               "peak memory": ("peak_memory_bytes", 2**-30, 2)}  # fmt: skip
+    printed = {
+        "steps": ("steps", 1, 0),
+        "final loss": ("final_loss", 1, 4),
+        "wall time": ("wall_s", 1, 2),
+        "productive": ("productive_s", 1, 2),
+        "checkpoint stall": ("checkpoint_stall_s", 1, 2),
+        "recovery": ("recovery_s", 1, 2),
+        "lost work": ("lost_work_s", 1, 2),
+        "startup": ("startup_s", 1, 2),
+        "failures": ("failures", 1, 0),
+        "preemptions": ("preemptions", 1, 0),
+        "resizes": ("resizes", 1, 0),
+        "lost steps": ("lost_steps", 1, 0),
+        "checkpoints": ("checkpoints", 1, 0),
+        "mean tokens/s": ("mean_tokens_per_s", 1, 1),
+        "goodput": ("goodput", 100, 1),
+        "peak memory": ("peak_memory_bytes", 2**-30, 2),
+    }
     for label, (key, scale, decimals) in printed.items():
         value = expected.get(key, summary[key]) * scale
         assert _number(text, label) == pytest.approx(value, abs=0.51 * 10**-decimals), label

@@ -74,19 +74,24 @@ def stream_tensors(checkpoint_uri: str, names: list[str]) -> Iterator[tuple[str,
         size, dtype = tensors[name]
         target = buffer[: _nbytes(size, dtype)].view(dtype).view(size)
         # A one-key state dict: DCP reads only the byte ranges of this tensor's shards.
-        dcp.load({f"model.{name}": target}, storage_reader=dcp_reader(checkpoint_uri),
-                 no_dist=True)  # fmt: skip
+        dcp.load({f"model.{name}": target}, storage_reader=dcp_reader(checkpoint_uri), no_dist=True)
         yield name, target
 
 
-def _write_safetensors(path: Path, entries: list[tuple[str, str, torch.Size, torch.dtype]],
-                       tensors: Iterator[tuple[str, torch.Tensor]]) -> None:  # fmt: skip
+def _write_safetensors(
+    path: Path,
+    entries: list[tuple[str, str, torch.Size, torch.dtype]],
+    tensors: Iterator[tuple[str, torch.Tensor]],
+) -> None:
     """entries: (our name, output name, shape, dtype) in file order; tensors in the same order."""
     header, offset = {}, 0
     for _, out_name, size, dtype in entries:
         nbytes = _nbytes(size, dtype)
-        header[out_name] = {"dtype": _SAFETENSORS_DTYPE[dtype], "shape": list(size),
-                            "data_offsets": [offset, offset + nbytes]}  # fmt: skip
+        header[out_name] = {
+            "dtype": _SAFETENSORS_DTYPE[dtype],
+            "shape": list(size),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     header["__metadata__"] = {"format": "pt"}
     blob = json.dumps(header, separators=(",", ":")).encode()
@@ -99,8 +104,13 @@ def _write_safetensors(path: Path, entries: list[tuple[str, str, torch.Size, tor
             f.write(memoryview(tensor.contiguous().view(-1).view(torch.uint8).numpy()))
 
 
-def consolidate(checkpoint_uri: str, out_dir: str | Path, shape: ModelShape, max_seq_len: int,
-                shard_bytes: int = 5 * 10**9) -> list[Path]:  # fmt: skip
+def consolidate(
+    checkpoint_uri: str,
+    out_dir: str | Path,
+    shape: ModelShape,
+    max_seq_len: int,
+    shard_bytes: int = 5 * 10**9,
+) -> list[Path]:
     """Write HF-format safetensors (+ index when sharded) and config.json; returns the files."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

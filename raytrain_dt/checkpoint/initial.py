@@ -44,8 +44,11 @@ def read_hf_config(directory: str | Path) -> dict:
 def model_overrides(directory: str | Path) -> list[str]:
     """`model.*` dotlist settings that give our model the directory's shape."""
     config = read_hf_config(directory)
-    overrides = [f"model.{ours}={config[theirs]}" for theirs, ours in SHAPE_FIELDS.items()
-                 if theirs in config and ours not in _PRESET_ONLY]  # fmt: skip
+    overrides = [
+        f"model.{ours}={config[theirs]}"
+        for theirs, ours in SHAPE_FIELDS.items()
+        if theirs in config and ours not in _PRESET_ONLY
+    ]
     return [*overrides, f"{KEY}={directory}"]
 
 

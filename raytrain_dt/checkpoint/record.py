@@ -36,8 +36,10 @@ def _version(package: str) -> str | None:
 
 @functools.cache
 def versions() -> dict[str, str | None]:
-    return {"python": platform.python_version(),
-            **{p: _version(p) for p in ("raytrain_dt", "torch", "ray", "deepspeed")}}  # fmt: skip
+    return {
+        "python": platform.python_version(),
+        **{p: _version(p) for p in ("raytrain_dt", "torch", "ray", "deepspeed")},
+    }
 
 
 def train_state_record(
@@ -48,8 +50,12 @@ def train_state_record(
     of step `step`, the next one to run, computed by the engines' schedule)."""
     cfg, layout = spec.cfg, spec.layout
     t = cfg.trainer
-    schedule = {"lr": t.lr, "warmup_steps": t.warmup_steps, "total_steps": t.steps,
-                "min_lr_ratio": t.min_lr_ratio}  # fmt: skip
+    schedule = {
+        "lr": t.lr,
+        "warmup_steps": t.warmup_steps,
+        "total_steps": t.steps,
+        "min_lr_ratio": t.min_lr_ratio,
+    }
     return {
         "step": step,
         "consumed_samples": consumed,

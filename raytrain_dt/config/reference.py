@@ -55,8 +55,11 @@ def _type(f: dataclasses.Field) -> str:
 
 def _rules(key: str) -> str:
     if key in schema._CHOICES:
-        return "One of " + ", ".join(f"`{'null' if v is None else v}`"
-                                     for v in schema._CHOICES[key]) + "."  # fmt: skip
+        return (
+            "One of "
+            + ", ".join(f"`{'null' if v is None else v}`" for v in schema._CHOICES[key])
+            + "."
+        )
     if key in schema._POSITIVE:
         return "Must be > 0."
     if key in schema._NON_NEGATIVE:
@@ -104,14 +107,14 @@ def render() -> str:
             top_level.append(f)
             continue
         lines += ["", f"## `{f.name}`", ""]
-        intro = " ".join(t for t in (field_comments(schema.TrainConfig).get(f.name, ""),
-                                     _doc(cls)) if t)  # fmt: skip
+        intro = " ".join(
+            t for t in (field_comments(schema.TrainConfig).get(f.name, ""), _doc(cls)) if t
+        )
         if intro:
             lines += [intro, ""]
         lines += [*_HEADER, *_rows(cls, list(dataclasses.fields(cls)), prefix)]
     if top_level:
-        lines += ["", "## Top-level keys", "", *_HEADER,
-                  *_rows(schema.TrainConfig, top_level, "")]  # fmt: skip
+        lines += ["", "## Top-level keys", "", *_HEADER, *_rows(schema.TrainConfig, top_level, "")]
     return "\n".join(lines) + "\n"
 
 

@@ -321,8 +321,14 @@ _NOT_YET: dict[str, tuple[Any, ...]] = {
     "engine.name": ("fsdp2", "deepspeed"),
 }
 
-CHAOS_ACTIONS = ("kill_rank", "kill_node", "preempt_node", "add_node", "hang_rank",
-                 "kill_rank_mid_save")  # fmt: skip
+CHAOS_ACTIONS = (
+    "kill_rank",
+    "kill_node",
+    "preempt_node",
+    "add_node",
+    "hang_rank",
+    "kill_rank_mid_save",
+)
 
 _POSITIVE = (
     "data.seq_len",

@@ -27,8 +27,13 @@ class Capacity:
 
     def request(self, nodes: tuple[NodeInfo, ...]) -> None:
         """Ask the autoscaler for what the run can use (only when that changes)."""
-        bundles = capacity_request(self.cfg.elastic, self.resource, nodes,
-                                   self.cfg.cluster.accelerators_per_node, self.cfg.cluster.num_ranks)  # fmt: skip
+        bundles = capacity_request(
+            self.cfg.elastic,
+            self.resource,
+            nodes,
+            self.cfg.cluster.accelerators_per_node,
+            self.cfg.cluster.num_ranks,
+        )
         if bundles != self.run.capacity_requested:
             self.run.capacity_requested = bundles
             self.cluster.request_capacity(bundles)
@@ -49,16 +54,18 @@ class Capacity:
         group = self.group
         if not self.run.formed:
             return nodes  # the first formation starts its actors itself
-        group.drop_spares({a.node_id for a in [*group.idle, *group.starting]}
-                          - {n.node_id for n in nodes})  # fmt: skip
+        group.drop_spares(
+            {a.node_id for a in [*group.idle, *group.starting]} - {n.node_id for n in nodes}
+        )
         group.collect_warm()
         if self._recovering_on_survivors(waiting):
             # Survivors re-form first and replacements start after its first step: a new
             # actor's start (a Python process importing torch) would take the CPU the
             # re-formation needs (on a shared host, or where CPUs are few). Plan for the
             # actors that have started.
-            started = {n.node_id: group.actors_on(n.node_id) - group.starting_on(n.node_id)
-                       for n in nodes}  # fmt: skip
+            started = {
+                n.node_id: group.actors_on(n.node_id) - group.starting_on(n.node_id) for n in nodes
+            }
             shown = [
                 replace(n, accelerators=min(n.accelerators, started[n.node_id])) for n in nodes
             ]
@@ -80,8 +87,11 @@ class Capacity:
                 replace(n, accelerators=ranks[n.node_id]) for n in nodes if ranks[n.node_id]
             )
         survivors = {s.node_id for s in group.slots}
-        shown = [replace(n, accelerators=n.accelerators - group.starting_on(n.node_id))
-                 for n in nodes if n.node_id in survivors or not group.starting_on(n.node_id)]  # fmt: skip
+        shown = [
+            replace(n, accelerators=n.accelerators - group.starting_on(n.node_id))
+            for n in nodes
+            if n.node_id in survivors or not group.starting_on(n.node_id)
+        ]
         return tuple(n for n in shown if n.accelerators > 0)
 
     def _recovering_on_survivors(self, waiting: bool) -> bool:

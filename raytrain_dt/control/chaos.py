@@ -44,8 +44,11 @@ class Chaos:
                 self.fired.add(i)
 
     def due_node_actions(self, step: int) -> list[tuple[int, ChaosAction]]:
-        return [(i, a) for i, a in enumerate(self.actions)
-                if i not in self.fired and a.action in NODE_ACTIONS and a.at_step <= step]  # fmt: skip
+        return [
+            (i, a)
+            for i, a in enumerate(self.actions)
+            if i not in self.fired and a.action in NODE_ACTIONS and a.at_step <= step
+        ]
 
     def _require_simulated(self, action: ChaosAction) -> None:
         if self.simulated is None:

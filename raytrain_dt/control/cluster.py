@@ -98,8 +98,12 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
     there, no ranks) plus `cluster.local_nodes` worker raylets with accelerators each."""
     from ray.cluster_utils import Cluster
 
-    log.info("starting a simulated cluster: %d nodes x %d %s", cluster.local_nodes,
-             cluster.accelerators_per_node, resource)  # fmt: skip
+    log.info(
+        "starting a simulated cluster: %d nodes x %d %s",
+        cluster.local_nodes,
+        cluster.accelerators_per_node,
+        resource,
+    )
     head_args = {
         "num_cpus": _embedded_cpus(cluster),
         "include_dashboard": False,

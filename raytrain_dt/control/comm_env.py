@@ -52,8 +52,11 @@ def comm_env(comm: CommConfig, multi_node: bool, log_dir: str | Path | None = No
         env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(comm.trace_buffer)
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
         env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(log_dir) / "nccl_trace_rank_")
-    for name, value in (("NCCL_ALGO", comm.algo), ("NCCL_PROTO", comm.proto),
-                        ("NCCL_BUFFSIZE", comm.buffsize_bytes)):  # fmt: skip
+    for name, value in (
+        ("NCCL_ALGO", comm.algo),
+        ("NCCL_PROTO", comm.proto),
+        ("NCCL_BUFFSIZE", comm.buffsize_bytes),
+    ):
         if value is not None:
             env[name] = str(value)
     env.update(_multi_node_env(comm) if multi_node else _single_node_env(comm))
@@ -83,8 +86,12 @@ def _multi_node_env(comm: CommConfig) -> dict:
     elif comm.network == "socket":
         # TCP only: no probing of absent or broken RDMA devices, and more sockets and threads
         # per connection, which a single TCP stream needs to fill a 25-100 Gb/s link.
-        env.update(NCCL_IB_DISABLE="1", NCCL_NET="Socket",
-                   NCCL_SOCKET_NTHREADS="4", NCCL_NSOCKS_PERTHREAD="4")  # fmt: skip
+        env.update(
+            NCCL_IB_DISABLE="1",
+            NCCL_NET="Socket",
+            NCCL_SOCKET_NTHREADS="4",
+            NCCL_NSOCKS_PERTHREAD="4",
+        )
     return env
 
 

@@ -87,10 +87,16 @@ log = logging.getLogger(__name__)
 
 
 class Coordinator:
-    def __init__(self, cfg: TrainConfig, ray_temp_dir: str | None = None,
-                 show_progress: bool = True, simulated_cluster: object | None = None,
-                 model: ModelSpec | None = None, dataset: object | None = None,
-                 tokenize: Callable | None = None):  # fmt: skip
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        ray_temp_dir: str | None = None,
+        show_progress: bool = True,
+        simulated_cluster: object | None = None,
+        model: ModelSpec | None = None,
+        dataset: object | None = None,
+        tokenize: Callable | None = None,
+    ):
         self.cfg = cfg
         self.run_dir = Path(cfg.run.dir).resolve()
         self.checkpoint_root = cfg.checkpoint.dir or str(self.run_dir / "checkpoints")
@@ -168,30 +174,48 @@ class Coordinator:
         if isinstance(self.state, Failed):
             raise TrainingFailed(self.state.reason)
         committed = self.store.committed()
-        return RunResult(str(self.run_dir), self.state.step, self.recorder.last_metrics,
-                         committed[-1].uri if committed else None, self.run_state.layout,
-                         self.run_state.timings, stopped=isinstance(self.state, Stopped))  # fmt: skip
+        return RunResult(
+            str(self.run_dir),
+            self.state.step,
+            self.recorder.last_metrics,
+            committed[-1].uri if committed else None,
+            self.run_state.layout,
+            self.run_state.timings,
+            stopped=isinstance(self.state, Stopped),
+        )
 
     def request_stop(self, reason: str) -> None:
         """Stop at the next step boundary with a checkpoint (safe from a signal handler: it
         only sets a flag the loop reads)."""
         self.stop_reason = reason
 
-    def begin(self, resource: str, cluster: ClusterView, group: RankGroupLike,
-              simulated: object | None = None) -> None:  # fmt: skip
+    def begin(
+        self,
+        resource: str,
+        cluster: ClusterView,
+        group: RankGroupLike,
+        simulated: object | None = None,
+    ) -> None:
         """Ready the state machine on a cluster view and a rank group (the only parts that
         touch Ray, so unit tests hand in fakes and drive `advance` themselves)."""
         self.resource, self.cluster, self.group = resource, cluster, group
         self.policy = ElasticPolicy(self.cfg.elastic, self._plan_for)
-        self.chaos = Chaos(list(self.cfg.chaos), simulated,
-                           simulated_node_args(self.cfg.cluster, self.resource))  # fmt: skip
+        self.chaos = Chaos(
+            list(self.cfg.chaos), simulated, simulated_node_args(self.cfg.cluster, self.resource)
+        )
         self.run_state = RunState()
         resumed_step = self._resume_point()[1]
-        self.recorder = RunRecorder(self.run_dir, resumed_step,
-                                    default_sinks(self.cfg, self.run_dir, resumed_step))  # fmt: skip
+        self.recorder = RunRecorder(
+            self.run_dir, resumed_step, default_sinks(self.cfg, self.run_dir, resumed_step)
+        )
         self.deadlines = Deadlines.from_config(self.cfg)
-        self.bar = tqdm(total=self.cfg.trainer.steps, desc="train", unit="step",
-                        disable=not self.show_progress, dynamic_ncols=True)  # fmt: skip
+        self.bar = tqdm(
+            total=self.cfg.trainer.steps,
+            desc="train",
+            unit="step",
+            disable=not self.show_progress,
+            dynamic_ncols=True,
+        )
         self.capacity = Capacity(self.cfg, resource, cluster, group, self.run_state, self.recorder)
         self.formation = Formation(
             self.cfg,
@@ -243,9 +267,12 @@ class Coordinator:
         if isinstance(new_state, Deciding):
             new_state = self.decider.decide(new_state)
         if type(new_state) is not type(state):
-            self.recorder.event("transition", old=type(state).__name__.lower(),
-                                new=type(new_state).__name__.lower(),
-                                reason=getattr(new_state, "reason", None))  # fmt: skip
+            self.recorder.event(
+                "transition",
+                old=type(state).__name__.lower(),
+                new=type(new_state).__name__.lower(),
+                reason=getattr(new_state, "reason", None),
+            )
         self.state = new_state
         return new_state
 
@@ -254,8 +281,11 @@ class Coordinator:
         if self.stop_reason and not isinstance(state, Draining | Running):
             return Stopped(run.step, self.stop_reason)  # no group trains: nothing to save
         if self.stop_reason and isinstance(state, Running):
-            return Draining(Resize(run.layout, run.layout_nodes, f"stop: {self.stop_reason}",
-                                   checkpoint_first=True))  # fmt: skip
+            return Draining(
+                Resize(
+                    run.layout, run.layout_nodes, f"stop: {self.stop_reason}", checkpoint_first=True
+                )
+            )
         if isinstance(state, Starting):
             return Deciding("ok")
         if isinstance(state, Waiting):
@@ -285,11 +315,17 @@ class Coordinator:
         draining = frozenset(run.draining | drained)
         shown = self.capacity.warm(nodes, draining, waiting=isinstance(self.state, Waiting))
         return Observation(
-            now=time.time(), nodes=shown, draining=draining, layout=run.layout,
-            layout_nodes=run.layout_nodes, health=health, step=run.step,
-            restarts=run.restarts, failures_at_step=run.streak.count,
+            now=time.time(),
+            nodes=shown,
+            draining=draining,
+            layout=run.layout,
+            layout_nodes=run.layout_nodes,
+            health=health,
+            step=run.step,
+            restarts=run.restarts,
+            failures_at_step=run.streak.count,
             nodes_stable_since=run.nodes_since,
-        )  # fmt: skip
+        )
 
     def _notice(self, node: str, source: str, detail: str) -> None:
         """A preemption notice for a node the group uses: drain at the next step boundary."""
@@ -297,8 +333,9 @@ class Coordinator:
         run.draining.add(node)
         run.last_cluster_check = 0.0  # decide at once, not at the next periodic check
         run.incident.cause(time.perf_counter())
-        self.recorder.event("preemption_notice", node=node, step=run.step, source=source,
-                            detail=detail)  # fmt: skip
+        self.recorder.event(
+            "preemption_notice", node=node, step=run.step, source=source, detail=detail
+        )
         log.warning("preemption notice for node %s (%s): %s", node[:12], source, detail)
 
     def _plan_for(self, nodes: tuple[NodeInfo, ...]):
@@ -334,8 +371,9 @@ class Coordinator:
         except FormationTimedOut as exc:
             # The run stops with its checkpoints intact and the reason; this is the one place
             # a retry elsewhere would go.
-            self.recorder.event("failure", health="formation_timeout", step=run.step, ranks={},
-                                **exc.bound.fields())  # fmt: skip
+            self.recorder.event(
+                "failure", health="formation_timeout", step=run.step, ranks={}, **exc.bound.fields()
+            )
             log.error("%s", exc.reason)
             return Failed(exc.reason)
         self.watch.tracker = self.formation.record(self.run_state, state, formed, old, started)

@@ -67,8 +67,13 @@ class Decider:
                 run.incident.cause(max(appeared, run.shrunk_at))
             run.incident.decided(started, time.perf_counter())
         if not isinstance(decision, Noop):
-            self.recorder.event("decision", decision=type(decision).__name__.lower(), reason=decision.reason,
-                                health=obs.health, step=obs.step)  # fmt: skip
+            self.recorder.event(
+                "decision",
+                decision=type(decision).__name__.lower(),
+                reason=decision.reason,
+                health=obs.health,
+                step=obs.step,
+            )
             log.info("decision: %s", decision.reason)
         if isinstance(decision, Fail):
             return Failed(decision.reason)

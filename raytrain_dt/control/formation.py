@@ -185,16 +185,20 @@ class Formation:
             (self.run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
         lost = max(0, run.failure_step - formed.resume_step)
         self.recorder.event(
-            "resize" if old is not None else "start", reason=decision.reason,
-            old_layout=old.as_dict() if old else None, new_layout=layout.as_dict(),
+            "resize" if old is not None else "start",
+            reason=decision.reason,
+            old_layout=old.as_dict() if old else None,
+            new_layout=layout.as_dict(),
             resumed_from=formed.resume.uri if formed.resume else None,
             resumed_step=formed.resume_step,
             lost_steps=lost if isinstance(state, Restarting) else 0,
-            form_s=form_s, setup_s=time.perf_counter() - formed.verified_at,
-            node_ids=[s.node_id for s in self.group.slots], rank_setup=formed.rank_setup,
+            form_s=form_s,
+            setup_s=time.perf_counter() - formed.verified_at,
+            node_ids=[s.node_id for s in self.group.slots],
+            rank_setup=formed.rank_setup,
             pids=[s.pid for s in self.group.slots],
             **run.incident.formed(form_s, formed.rank_setup),
-        )  # fmt: skip
+        )
         self.recorder.model_built(formed.rank_setup)
         # The next incident is timed afresh; this one's clock runs on to the first step.
         run.formation_timer, run.incident = run.incident, RecoveryTimer()

@@ -108,22 +108,29 @@ class ElasticPolicy:
         if len(nodes) < self.cfg.min_nodes:
             since = obs.waiting_since if obs.waiting_since is not None else obs.now
             if obs.now - since >= self.cfg.wait_timeout_s:
-                return Fail(f"only {len(nodes)} usable nodes for {obs.now - since:.0f}s, "
-                            f"below elastic.min_nodes={self.cfg.min_nodes}")  # fmt: skip
-            return Wait(f"{reason}; waiting for nodes: {len(nodes)} usable, "
-                        f"elastic.min_nodes={self.cfg.min_nodes}")  # fmt: skip
+                return Fail(
+                    f"only {len(nodes)} usable nodes for {obs.now - since:.0f}s, "
+                    f"below elastic.min_nodes={self.cfg.min_nodes}"
+                )
+            return Wait(
+                f"{reason}; waiting for nodes: {len(nodes)} usable, "
+                f"elastic.min_nodes={self.cfg.min_nodes}"
+            )
         layout = self.plan_for(nodes)
         if layout is None:
             return Wait(f"{reason}; no layout fits on {len(nodes)} nodes")
         used = _nodes_for(layout, nodes)
-        return Resize(layout, used, f"{reason}: {layout.describe()} on {len(used)} nodes",
-                      checkpoint_first)  # fmt: skip
+        return Resize(
+            layout, used, f"{reason}: {layout.describe()} on {len(used)} nodes", checkpoint_first
+        )
 
     def decide(self, obs: Observation) -> Decision:
         if obs.health in ("failed", "hung"):
             if obs.failures_at_step >= self.cfg.max_failures_at_step:
-                return Fail(f"step {obs.step + 1} failed {obs.failures_at_step} times in a row: "
-                            "a deterministic failure (bad sample, NaN, bug), not retried")  # fmt: skip
+                return Fail(
+                    f"step {obs.step + 1} failed {obs.failures_at_step} times in a row: "
+                    "a deterministic failure (bad sample, NaN, bug), not retried"
+                )
             if obs.restarts >= self.cfg.max_restarts:
                 return Fail(f"elastic.max_restarts={self.cfg.max_restarts} reached")
             return self._target(obs, f"rank {obs.health}", checkpoint_first=False)
@@ -140,21 +147,30 @@ class ElasticPolicy:
         ):
             candidate = self.plan_for(usable)
             if candidate is not None and candidate.dims.world_size > obs.layout.dims.world_size:
-                return Resize(candidate, _nodes_for(candidate, usable),
-                              f"capacity grew to {len(usable)} nodes: {candidate.describe()}",
-                              checkpoint_first=True)  # fmt: skip
+                return Resize(
+                    candidate,
+                    _nodes_for(candidate, usable),
+                    f"capacity grew to {len(usable)} nodes: {candidate.describe()}",
+                    checkpoint_first=True,
+                )
         return Noop()
 
 
 def _nodes_for(layout: Layout, nodes: tuple[NodeInfo, ...]) -> tuple[str, ...]:
     """The nodes a layout fills (as placement will fill them)."""
-    counts = counts_by_node(layout.dims.world_size, layout.dims.tp,
-                            [(n.node_id, n.accelerators) for n in nodes])  # fmt: skip
+    counts = counts_by_node(
+        layout.dims.world_size, layout.dims.tp, [(n.node_id, n.accelerators) for n in nodes]
+    )
     return tuple(sorted(counts))
 
 
-def capacity_request(elastic: ElasticConfig, resource: str, nodes: tuple[NodeInfo, ...],
-                     accelerators_per_node: int, num_ranks: int | None) -> list[dict]:  # fmt: skip
+def capacity_request(
+    elastic: ElasticConfig,
+    resource: str,
+    nodes: tuple[NodeInfo, ...],
+    accelerators_per_node: int,
+    num_ranks: int | None,
+) -> list[dict]:
     """What the autoscaler is asked for: one node-sized bundle per node the run could use, up
     to `elastic.max_nodes` and no more than `cluster.num_ranks` needs. Empty when neither
     bounds the run (there is no finite capacity to ask for)."""

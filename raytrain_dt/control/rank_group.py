@@ -99,8 +99,13 @@ class RankGroup:
 
     def _free_bundles(self, node_id: str) -> list[tuple[object, int]]:
         used = {(id(s.pg), s.bundle_index) for s in [*self.slots, *self.idle, *self.starting]}
-        return [(r.pg, i) for r in self.reservations if r.node_id == node_id
-                for i in range(r.size) if (id(r.pg), i) not in used]  # fmt: skip
+        return [
+            (r.pg, i)
+            for r in self.reservations
+            if r.node_id == node_id
+            for i in range(r.size)
+            if (id(r.pg), i) not in used
+        ]
 
     def _reserve(self, node_id: str, count: int, timeout_s: float | None) -> NodeReservation:
         """Reserve `count` bundles on the node; waits until they are granted unless
@@ -127,8 +132,9 @@ class RankGroup:
         self.reservations.append(reservation)
         return reservation
 
-    def _start_on_node(self, node_id: str, count: int,
-                       timeout_s: float | None) -> list[StartingActor]:  # fmt: skip
+    def _start_on_node(
+        self, node_id: str, count: int, timeout_s: float | None
+    ) -> list[StartingActor]:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -147,10 +153,11 @@ class RankGroup:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle_index
                 ),
-            ).remote(self.run_dir, self._next_index)  # fmt: skip
+            ).remote(self.run_dir, self._next_index)
             self._next_index += 1
-            started.append(StartingActor(handle, handle.where.remote(), node_id, pg,
-                                         bundle_index, time.time()))  # fmt: skip
+            started.append(
+                StartingActor(handle, handle.where.remote(), node_id, pg, bundle_index, time.time())
+            )
         return started
 
     def _create_on_node(
@@ -188,9 +195,13 @@ class RankGroup:
                 where = ray.get(actor.where)
                 self.idle.append(_started_slot(actor, where))
                 # A slow start here (a process importing torch) is what delays a growth.
-                log.info("actor %d on node %s up after %.2fs (imported torch by +%.2fs)",
-                         where["actor_index"], actor.node_id[:12], time.time() - actor.since,
-                         where["init_at"] - actor.since)  # fmt: skip
+                log.info(
+                    "actor %d on node %s up after %.2fs (imported torch by +%.2fs)",
+                    where["actor_index"],
+                    actor.node_id[:12],
+                    time.time() - actor.since,
+                    where["init_at"] - actor.since,
+                )
             except Exception as exc:  # died while starting (with its node, most likely)
                 log.warning("an actor warming on node %s died: %s", actor.node_id[:12], exc)
                 failed.append(actor)
@@ -238,9 +249,12 @@ class RankGroup:
         ranks = assign_ranks(reports)
         self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]
         self.idle = spare  # healthy and started: kept for a later, larger layout
-        log.info("rank group: %s (idle: %d, starting: %d)",
-                 {n[:12]: c for n, c in counts_by_node.items()}, len(self.idle),
-                 len(self.starting))  # fmt: skip
+        log.info(
+            "rank group: %s (idle: %d, starting: %d)",
+            {n[:12]: c for n, c in counts_by_node.items()},
+            len(self.idle),
+            len(self.starting),
+        )
 
     # --- calls -------------------------------------------------------------------------------
     @property
@@ -353,5 +367,12 @@ class RankGroup:
 
 
 def _started_slot(actor: StartingActor, where: dict) -> ActorSlot:
-    return ActorSlot(actor.handle, where["node_id"], where["actor_index"], where["ip"], actor.pg,
-                     actor.bundle_index, where["pid"])  # fmt: skip
+    return ActorSlot(
+        actor.handle,
+        where["node_id"],
+        where["actor_index"],
+        where["ip"],
+        actor.pg,
+        actor.bundle_index,
+        where["pid"],
+    )

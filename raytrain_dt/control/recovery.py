@@ -138,8 +138,9 @@ class Recovery:
         run.incident.drained(time.perf_counter() - started)
         self.recorder.event("drained", step=run.step, reason=state.decision.reason)
         if stop_reason:
-            log.warning("stopped at step %d (%s); the same run.dir resumes from here",
-                        run.step, stop_reason)  # fmt: skip
+            log.warning(
+                "stopped at step %d (%s); the same run.dir resumes from here", run.step, stop_reason
+            )
             return Stopped(run.step, stop_reason)
         # Ranks on nodes under notice are not reused: let them go while their node still
         # answers (tearing down actors of a node being reclaimed waits on Ray's death notice).

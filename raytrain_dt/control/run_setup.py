@@ -57,8 +57,9 @@ def uses_user_data(cfg: TrainConfig, dataset: object | None = None) -> bool:
     return dataset is not None or bool(cfg.data.source)
 
 
-def open_dataset(cfg: TrainConfig, dataset: object | None = None, tokenize=None,
-                 vocab_size: int | None = None) -> TokenDataset:  # fmt: skip
+def open_dataset(
+    cfg: TrainConfig, dataset: object | None = None, tokenize=None, vocab_size: int | None = None
+) -> TokenDataset:
     """The run's dataset; the default corpus is prepared on first use. A user source
     (`data.source`, or a Ray Dataset object) is packed into the run's cache first."""
     if uses_user_data(cfg, dataset):
@@ -90,23 +91,45 @@ def check_dataset(cfg: TrainConfig, dataset: object | None = None) -> None:
         TokenDataset.open(cfg.data.path, cfg.data.seq_len)
 
 
-def rank_specs(cfg: TrainConfig, shape: ModelShape, layout: Layout, dataset: TokenDataset,
-               master: tuple[str, int], checkpoint_root: str,
-               resume: CheckpointRef | None, model: ModelSpec | None = None) -> list[RankSpec]:  # fmt: skip
+def rank_specs(
+    cfg: TrainConfig,
+    shape: ModelShape,
+    layout: Layout,
+    dataset: TokenDataset,
+    master: tuple[str, int],
+    checkpoint_root: str,
+    resume: CheckpointRef | None,
+    model: ModelSpec | None = None,
+) -> list[RankSpec]:
     start_step = resume.step if resume else 0
     consumed = resume.consumed_samples if resume else 0
     specs = []
     for rank in range(layout.dims.world_size):
         data = DataSlice(
-            dataset=dataset, shuffle_seed=cfg.data.shuffle_seed, consumed_samples=consumed,
-            num_steps=cfg.trainer.steps - start_step, global_batch=layout.global_batch,
-            dp=layout.dims.dp, dp_rank=layout.dims.coords(rank).dp, micro_batch=layout.micro_batch,
+            dataset=dataset,
+            shuffle_seed=cfg.data.shuffle_seed,
+            consumed_samples=consumed,
+            num_steps=cfg.trainer.steps - start_step,
+            global_batch=layout.global_batch,
+            dp=layout.dims.dp,
+            dp_rank=layout.dims.coords(rank).dp,
+            micro_batch=layout.micro_batch,
             slots=layout.micro_batch * layout.grad_accum,
-        )  # fmt: skip
-        specs.append(RankSpec(
-            rank=rank, layout=layout, master_addr=master[0], master_port=master[1], cfg=cfg,
-            shape=shape, data=data, start_step=start_step, end_step=cfg.trainer.steps,
-            checkpoint_root=checkpoint_root, resume_from=resume.path if resume else None,
-            model=model,
-        ))  # fmt: skip
+        )
+        specs.append(
+            RankSpec(
+                rank=rank,
+                layout=layout,
+                master_addr=master[0],
+                master_port=master[1],
+                cfg=cfg,
+                shape=shape,
+                data=data,
+                start_step=start_step,
+                end_step=cfg.trainer.steps,
+                checkpoint_root=checkpoint_root,
+                resume_from=resume.path if resume else None,
+                model=model,
+            )
+        )
     return specs

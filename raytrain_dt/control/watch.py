@@ -58,8 +58,9 @@ class GroupWatch:
                 if isinstance(report, StepReport):
                     self.recorder.rank_step(status.rank, report.as_record())
                     if report.sample_ids is not None:
-                        self.recorder.step_samples(report.step, dims.coords(status.rank).dp,
-                                                   dims.dp, report.sample_ids)  # fmt: skip
+                        self.recorder.step_samples(
+                            report.step, dims.coords(status.rank).dp, dims.dp, report.sample_ids
+                        )
                     if report.metrics is not None:
                         self._on_step(report, layout)
                 elif not isinstance(report, StoppedReport):
@@ -69,9 +70,11 @@ class GroupWatch:
         run = self.run
         self.recorder.step_metrics(report.as_record(), layout.dims.world_size, layout.describe())
         self.bar.update(report.step - self.bar.n)
-        self.bar.set_postfix(loss=f"{report.metrics.loss:.4f}",
-                             tok_s=f"{report.metrics.tokens_per_s:.0f}",
-                             world=layout.dims.world_size)  # fmt: skip
+        self.bar.set_postfix(
+            loss=f"{report.metrics.loss:.4f}",
+            tok_s=f"{report.metrics.tokens_per_s:.0f}",
+            world=layout.dims.world_size,
+        )
         run.step, run.last_progress = report.step, time.time()
         self.deadlines.step_finished(report.finished_at)
         run.streak.progressed(run.step)

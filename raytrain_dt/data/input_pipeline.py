@@ -45,8 +45,14 @@ class DataSlice:
     def rows(self, start: int = 0, stop: int | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(global positions, real) of this rank's rows [start, stop) (all rows by default)."""
         steps = -(-(self.num_rows if stop is None else stop) // self.rows_per_step)
-        positions, real = rank_rows(self.consumed_samples, steps, self.global_batch, self.dp,
-                                    self.dp_rank, self.rows_per_step)  # fmt: skip
+        positions, real = rank_rows(
+            self.consumed_samples,
+            steps,
+            self.global_batch,
+            self.dp,
+            self.dp_rank,
+            self.rows_per_step,
+        )
         return positions[start:stop], real[start:stop]
 
     def positions(self, start: int = 0, stop: int | None = None) -> np.ndarray:

@@ -214,14 +214,26 @@ def pack(ds, settings: PackSettings, out: Path, separator: int | None) -> dict:
             packer.add(flat[offsets[i] : offsets[i + 1]])
     packer.finish()
     if packer.num_rows == 0:
-        raise DataError(f"data.source: {packer.num_docs} documents hold fewer tokens than one "
-                        f"sequence of data.seq_len={settings.seq_len}")  # fmt: skip
-    return {"num_samples": packer.num_rows, "num_documents": packer.num_docs,
-            "max_token_id": packer.max_id, "content_sha256": packer.digest.hexdigest()}  # fmt: skip
+        raise DataError(
+            f"data.source: {packer.num_docs} documents hold fewer tokens than one "
+            f"sequence of data.seq_len={settings.seq_len}"
+        )
+    return {
+        "num_samples": packer.num_rows,
+        "num_documents": packer.num_docs,
+        "max_token_id": packer.max_id,
+        "content_sha256": packer.digest.hexdigest(),
+    }
 
 
-def materialize(ds, settings: PackSettings, cache_root: Path, key: str | None,
-                what: str, tokenize: Callable | None = None) -> Path:  # fmt: skip
+def materialize(
+    ds,
+    settings: PackSettings,
+    cache_root: Path,
+    key: str | None,
+    what: str,
+    tokenize: Callable | None = None,
+) -> Path:
     """The packed token dataset of `ds` under cache_root (reused when `key` is cached)."""
     cache_root.mkdir(parents=True, exist_ok=True)
     if key is not None and (cache_root / key / META_FILE).is_file():
@@ -233,8 +245,14 @@ def materialize(ds, settings: PackSettings, cache_root: Path, key: str | None,
     tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
     try:
         meta = pack(mapped, settings, tmp, separator)
-        meta.update(seq_len=settings.seq_len, source=what, settings=asdict(settings),
-                    separator=separator, vocab_size=vocab, tokenizer=settings.tokenizer)  # fmt: skip
+        meta.update(
+            seq_len=settings.seq_len,
+            source=what,
+            settings=asdict(settings),
+            separator=separator,
+            vocab_size=vocab,
+            tokenizer=settings.tokenizer,
+        )
         (tmp / META_FILE).write_text(json.dumps(meta, indent=2))
         final = cache_root / (key or meta["content_sha256"][:16])
         if (final / META_FILE).is_file():
@@ -243,13 +261,24 @@ def materialize(ds, settings: PackSettings, cache_root: Path, key: str | None,
             os.rename(tmp, final)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    log.info("user dataset %s: %d samples of %d tokens from %d documents in %s",
-             what, meta["num_samples"], settings.seq_len, meta["num_documents"], final)  # fmt: skip
+    log.info(
+        "user dataset %s: %d samples of %d tokens from %d documents in %s",
+        what,
+        meta["num_samples"],
+        settings.seq_len,
+        meta["num_documents"],
+        final,
+    )
     return final
 
 
-def open_user_dataset(data_cfg, cache_root: Path, vocab_size: int | None, dataset=None,
-                      tokenize: Callable | None = None) -> TokenDataset:  # fmt: skip
+def open_user_dataset(
+    data_cfg,
+    cache_root: Path,
+    vocab_size: int | None,
+    dataset=None,
+    tokenize: Callable | None = None,
+) -> TokenDataset:
     """Pack `data.source` (or a Ray Dataset object) and open the result as a TokenDataset."""
     settings = PackSettings(
         seq_len=data_cfg.seq_len,
@@ -270,6 +299,8 @@ def open_user_dataset(data_cfg, cache_root: Path, vocab_size: int | None, datase
         path = materialize(dataset, settings, cache_root, None, "the given Ray Dataset", tokenize)
     meta = json.loads((path / META_FILE).read_text())
     if vocab_size is not None and meta["max_token_id"] >= vocab_size:
-        raise DataError(f"data.tokenizer: token id {meta['max_token_id']} does not fit the "
-                        f"model's vocabulary of {vocab_size}")  # fmt: skip
+        raise DataError(
+            f"data.tokenizer: token id {meta['max_token_id']} does not fit the "
+            f"model's vocabulary of {vocab_size}"
+        )
     return TokenDataset.open(path, data_cfg.seq_len)

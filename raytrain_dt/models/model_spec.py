@@ -154,8 +154,9 @@ def _build_llama(options: ModelShape, max_seq_len: int) -> nn.Module:
 
 def llama_spec(shape: ModelShape, name: str = "llama") -> ModelSpec:
     """Our Llama-style decoder (`models.llama`) as a spec."""
-    return ModelSpec(name=name, shape=shape, factory=_build_llama, options=shape,
-                     vocab_size=shape.vocab_size)  # fmt: skip
+    return ModelSpec(
+        name=name, shape=shape, factory=_build_llama, options=shape, vocab_size=shape.vocab_size
+    )
 
 
 def model_spec(cfg) -> ModelSpec:

@@ -32,17 +32,36 @@ class ConsoleLog:
         if r["step"] % self.every and r["step"] != self.total:
             return
         mfu = f" | mfu {100 * r['mfu']:.1f}%" if "mfu" in r else ""
-        log.info("step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s%s | "
-                 "peak mem %.2f GiB | world %d", r["step"], self.total, r["loss"], r["lr"],
-                 r["grad_norm"], r["tokens_per_s"], mfu, _peak_gib(r), r["world_size"])  # fmt: skip
+        log.info(
+            "step %d/%d | loss %.4f | lr %.2e | grad norm %.3f | %.0f tok/s%s | "
+            "peak mem %.2f GiB | world %d",
+            r["step"],
+            self.total,
+            r["loss"],
+            r["lr"],
+            r["grad_norm"],
+            r["tokens_per_s"],
+            mfu,
+            _peak_gib(r),
+            r["world_size"],
+        )
 
     def on_event(self, e: dict) -> None:
         if e["event"] == "checkpoint":
-            log.info("checkpoint at step %d committed (stall %.2fs, write %.2fs)", e["step"],
-                     e["stall_s"], e["write_s"])  # fmt: skip
+            log.info(
+                "checkpoint at step %d committed (stall %.2fs, write %.2fs)",
+                e["step"],
+                e["stall_s"],
+                e["write_s"],
+            )
         elif e["event"] == "recovery":
-            log.info("recovered from %s in %.1fs: resumed at step %d, %d steps lost",
-                     e["cause"], e["recovery_s"], e["resumed_step"], e["lost_steps"])  # fmt: skip
+            log.info(
+                "recovered from %s in %.1fs: resumed at step %d, %d steps lost",
+                e["cause"],
+                e["recovery_s"],
+                e["resumed_step"],
+                e["lost_steps"],
+            )
 
     def on_rewind(self, step: int) -> None:
         pass
@@ -66,8 +85,9 @@ class TensorBoardWriter:
         # (they are trained again). The suffix keeps two files opened in one second apart.
         self._files += 1
         self._step = step
-        self.writer = SummaryWriter(str(self.log_dir), purge_step=step + 1,
-                                    filename_suffix=f".{self._files}")  # fmt: skip
+        self.writer = SummaryWriter(
+            str(self.log_dir), purge_step=step + 1, filename_suffix=f".{self._files}"
+        )
 
     def on_step(self, r: dict) -> None:
         self._step = step = r["step"]
@@ -105,15 +125,35 @@ class RayMetrics:
         from ray.util.metrics import Counter, Gauge
 
         self.tags = {"run": run_name}
-        self.gauges = {k: Gauge(f"raytrain_dt_{k}", f"latest step's {k}", ("run",))
-                       for k in ("step", "loss", "lr", "grad_norm", "tokens_per_s",
-                                 "step_time_s", "mfu", "world_size")}  # fmt: skip
-        self.memory = {k: Gauge(f"raytrain_dt_{k}", f"{k} per rank", ("run", "rank"))
-                       for k in ("mem_allocated_bytes", "mem_peak_bytes")}  # fmt: skip
-        self.counters = {k: Counter(f"raytrain_dt_{k}", f"{k} since the driver started",
-                                    ("run",))
-                         for k in ("failures", "preemptions", "resizes", "checkpoints",
-                                   "checkpoint_stall_s", "recovery_s", "lost_steps")}  # fmt: skip
+        self.gauges = {
+            k: Gauge(f"raytrain_dt_{k}", f"latest step's {k}", ("run",))
+            for k in (
+                "step",
+                "loss",
+                "lr",
+                "grad_norm",
+                "tokens_per_s",
+                "step_time_s",
+                "mfu",
+                "world_size",
+            )
+        }
+        self.memory = {
+            k: Gauge(f"raytrain_dt_{k}", f"{k} per rank", ("run", "rank"))
+            for k in ("mem_allocated_bytes", "mem_peak_bytes")
+        }
+        self.counters = {
+            k: Counter(f"raytrain_dt_{k}", f"{k} since the driver started", ("run",))
+            for k in (
+                "failures",
+                "preemptions",
+                "resizes",
+                "checkpoints",
+                "checkpoint_stall_s",
+                "recovery_s",
+                "lost_steps",
+            )
+        }
 
     def on_step(self, r: dict) -> None:
         for key, gauge in self.gauges.items():

@@ -22,8 +22,17 @@ from raytrain_dt.observe.recovery_tracker import RecoveryTracker
 
 log = logging.getLogger(__name__)
 
-STEP_FIELDS = ("step", "loss", "lr", "grad_norm", "tokens_per_s", "step_time_s", "data_wait_s",
-               "consumed_samples", "mfu")  # fmt: skip
+STEP_FIELDS = (
+    "step",
+    "loss",
+    "lr",
+    "grad_norm",
+    "tokens_per_s",
+    "step_time_s",
+    "data_wait_s",
+    "consumed_samples",
+    "mfu",
+)
 
 
 class Sink(Protocol):
@@ -107,8 +116,12 @@ class RunRecorder:
         self.recovery.on_rewind(step, len(dropped), lost_s)
         if not dropped:
             return
-        self.event("rewind", step=step, dropped_steps=[r["step"] for r in dropped],
-                   dropped_step_time_s=lost_s)  # fmt: skip
+        self.event(
+            "rewind",
+            step=step,
+            dropped_steps=[r["step"] for r in dropped],
+            dropped_step_time_s=lost_s,
+        )
 
     def event(self, kind: str, **fields) -> None:
         record = {"time": time.time(), "event": kind, **fields}
@@ -157,10 +170,12 @@ class RunRecorder:
             memory = self._pending_memory.get(step, {})
             if len(memory) < out["world_size"] and (upto is None or step > upto):
                 return
-            out["mem_allocated_bytes"] = [memory.get(r, (None, None))[0]
-                                          for r in range(out["world_size"])]  # fmt: skip
-            out["mem_peak_bytes"] = [memory.get(r, (None, None))[1]
-                                     for r in range(out["world_size"])]  # fmt: skip
+            out["mem_allocated_bytes"] = [
+                memory.get(r, (None, None))[0] for r in range(out["world_size"])
+            ]
+            out["mem_peak_bytes"] = [
+                memory.get(r, (None, None))[1] for r in range(out["world_size"])
+            ]
             host = [m[2] for m in memory.values() if m[2] is not None]
             if host:  # the host's high-water mark, whatever the compute device: max over ranks
                 out["host_rss_peak_bytes"] = max(host)
@@ -183,8 +198,12 @@ class RunRecorder:
             try:
                 getattr(sink, method)(*args)
             except Exception as exc:  # an exporter must never stop training
-                log.warning("%s failed (%s: %s); switching it off", type(sink).__name__,
-                            type(exc).__name__, exc)  # fmt: skip
+                log.warning(
+                    "%s failed (%s: %s); switching it off",
+                    type(sink).__name__,
+                    type(exc).__name__,
+                    exc,
+                )
                 self.sinks.remove(sink)
 
     def close(self) -> None:

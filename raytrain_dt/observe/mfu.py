@@ -46,7 +46,8 @@ def peak_flops_per_accelerator(device_name: str, configured_tflops: float | None
     return Topology(num_nodes=1, accelerators_per_node=1).peak_flops
 
 
-def mfu(model_flops_per_token: float, tokens_per_s: float, world_size: int,
-        peak_flops: float) -> float:  # fmt: skip
+def mfu(
+    model_flops_per_token: float, tokens_per_s: float, world_size: int, peak_flops: float
+) -> float:
     """Fraction of the group's peak FLOP/s that the model's own arithmetic used."""
     return model_flops_per_token * tokens_per_s / (world_size * peak_flops)

@@ -75,15 +75,23 @@ class RecoveryTracker:
         self.last_step_end, self.last_step = record["time"], record["step"]
         started = record["time"] - record["step_time_s"]
         if first_ever and self._session_started is not None:
-            return {"event": "startup", "step": record["step"],
-                    "startup_s": started - self._session_started}  # fmt: skip
+            return {
+                "event": "startup",
+                "step": record["step"],
+                "startup_s": started - self._session_started,
+            }
         if self._pending is None:
             return None
         pending, self._pending = self._pending, None
-        event = {"event": "recovery", "step": record["step"], "cause": self.cause or "resize",
-                 "stopped_after_step": pending["stopped_after_step"],
-                 "resumed_step": pending["resumed_step"],
-                 "recovery_s": started - pending["stopped_at"],
-                 "lost_steps": self.lost_steps, "lost_work_s": self.lost_work_s}  # fmt: skip
+        event = {
+            "event": "recovery",
+            "step": record["step"],
+            "cause": self.cause or "resize",
+            "stopped_after_step": pending["stopped_after_step"],
+            "resumed_step": pending["resumed_step"],
+            "recovery_s": started - pending["stopped_at"],
+            "lost_steps": self.lost_steps,
+            "lost_work_s": self.lost_work_s,
+        }
         self.cause, self.lost_steps, self.lost_work_s = None, 0, 0.0
         return event

@@ -21,8 +21,11 @@ from raytrain_dt.topology.layout import Layout
 log = logging.getLogger(__name__)
 
 PLOTS = ("loss_vs_step", "loss_vs_time", "tokens_per_s", "world_size", "goodput")
-MARKERS = {"failure": ("tab:red", "failure"), "preemption_notice": ("tab:orange", "preemption"),
-           "resize": ("tab:blue", "resize")}  # fmt: skip
+MARKERS = {
+    "failure": ("tab:red", "failure"),
+    "preemption_notice": ("tab:orange", "preemption"),
+    "resize": ("tab:blue", "resize"),
+}
 
 
 @dataclass
@@ -96,8 +99,9 @@ def render_report(run_dir: str | Path) -> Report:
             ax.hlines(size, start, end, colors="black", linewidth=2)
             if text:
                 letter = names.setdefault(text, chr(ord("A") + len(names)))
-                ax.annotate(letter, (start, size), textcoords="offset points", xytext=(2, 4),
-                            fontsize=8)  # fmt: skip
+                ax.annotate(
+                    letter, (start, size), textcoords="offset points", xytext=(2, 4), fontsize=8
+                )
         legend = "\n".join(f"{letter}: {text}" for text, letter in names.items())
         ax.text(0, -0.25, legend, transform=ax.transAxes, fontsize=8, va="top")
         for kind, (color, label) in MARKERS.items():
@@ -112,18 +116,34 @@ def render_report(run_dir: str | Path) -> Report:
             ax.legend(loc="lower right", fontsize=8)
 
     def goodput(ax):
-        parts = {k: summary[k] for k in ("productive_s", "checkpoint_stall_s", "recovery_s",
-                                         "lost_work_s", "startup_s", "other_s")}  # fmt: skip
+        parts = {
+            k: summary[k]
+            for k in (
+                "productive_s",
+                "checkpoint_stall_s",
+                "recovery_s",
+                "lost_work_s",
+                "startup_s",
+                "other_s",
+            )
+        }
         names = [k.removesuffix("_s").replace("_", " ") for k in parts]
         colors = ["tab:green", "tab:orange", "tab:red", "tab:purple", "tab:gray", "silver"]
         bars = ax.barh(names, list(parts.values()), color=colors)
         ax.bar_label(bars, fmt="%.1fs", fontsize=8)
         ax.invert_yaxis()
-        ax.set(xlabel="seconds", title=f"Goodput {100 * summary['goodput']:.1f}% of "
-                                       f"{summary['wall_s']:.1f}s wall time")  # fmt: skip
+        ax.set(
+            xlabel="seconds",
+            title=f"Goodput {100 * summary['goodput']:.1f}% of {summary['wall_s']:.1f}s wall time",
+        )
 
-    draw = {"loss_vs_step": loss_vs_step, "loss_vs_time": loss_vs_time,
-            "tokens_per_s": tokens_per_s, "world_size": world_size, "goodput": goodput}  # fmt: skip
+    draw = {
+        "loss_vs_step": loss_vs_step,
+        "loss_vs_time": loss_vs_time,
+        "tokens_per_s": tokens_per_s,
+        "world_size": world_size,
+        "goodput": goodput,
+    }
     plots = {name: _figure(name, out, draw[name]) for name in PLOTS}
     page = run_dir / "report.html"
     page.write_text(_html(run_dir, summary, events, plots))
@@ -171,8 +191,10 @@ def format_summary(summary: dict) -> str:
 
 
 def _html(run_dir: Path, summary: dict, events: list[dict], plots: dict[str, Path]) -> str:
-    rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
-                   for k, v in summary_rows(summary))  # fmt: skip
+    rows = "".join(
+        f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
+        for k, v in summary_rows(summary)
+    )
     recoveries = "".join(
         f"<tr><td>{e['step']}</td><td>{html.escape(e['cause'])}</td>"
         f"<td>{e['resumed_step']}</td><td>{e['recovery_s']:.2f}</td><td>{e['lost_steps']}</td>"
@@ -180,8 +202,9 @@ def _html(run_dir: Path, summary: dict, events: list[dict], plots: dict[str, Pat
         for e in events
         if e["event"] == "recovery"
     )
-    images = "".join(f'<h2>{name.replace("_", " ")}</h2><img src="report/{p.name}">'
-                     for name, p in plots.items())  # fmt: skip
+    images = "".join(
+        f'<h2>{name.replace("_", " ")}</h2><img src="report/{p.name}">' for name, p in plots.items()
+    )
     return (
         f"<!doctype html><html><head><meta charset='utf-8'><title>raytrain_dt report: "
         f"{html.escape(run_dir.name)}</title><style>body{{font-family:sans-serif;margin:2em}}"
@@ -201,8 +224,9 @@ def report_after_run(run_dir: str | Path) -> Report | None:
     try:
         report = render_report(run_dir)
     except Exception as exc:
-        log.warning("could not render the run report for %s: %s: %s", run_dir,
-                    type(exc).__name__, exc)  # fmt: skip
+        log.warning(
+            "could not render the run report for %s: %s: %s", run_dir, type(exc).__name__, exc
+        )
         return None
     print(format_summary(report.summary))
     print(f"report: {report.html}")

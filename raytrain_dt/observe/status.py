@@ -43,21 +43,28 @@ def _kv():
 class StatusPublisher:
     def __init__(self, cfg: TrainConfig, run_dir: Path):
         self.key = KEY_PREFIX + str(run_dir.resolve())
-        self.status: dict = {"run": cfg.run.name, "dir": str(run_dir.resolve()),
-                             "state": "starting", "total_steps": cfg.trainer.steps, "step": 0,
-                             "last_event": None}  # fmt: skip
+        self.status: dict = {
+            "run": cfg.run.name,
+            "dir": str(run_dir.resolve()),
+            "state": "starting",
+            "total_steps": cfg.trainer.steps,
+            "step": 0,
+            "last_event": None,
+        }
         self._published = 0.0
         self._publish()
 
     def _publish(self) -> None:
         self.status["updated"] = time.time()
-        _kv()._internal_kv_put(self.key, json.dumps(self.status), overwrite=True,
-                               namespace=NAMESPACE)  # fmt: skip
+        _kv()._internal_kv_put(
+            self.key, json.dumps(self.status), overwrite=True, namespace=NAMESPACE
+        )
         self._published = time.monotonic()
 
     def on_step(self, r: dict) -> None:
-        self.status.update({k: r.get(k) for k in ("step", "loss", "tokens_per_s", "mfu",
-                                                  "world_size", "layout")})  # fmt: skip
+        self.status.update(
+            {k: r.get(k) for k in ("step", "loss", "tokens_per_s", "mfu", "world_size", "layout")}
+        )
         if time.monotonic() - self._published >= STEP_PUBLISH_INTERVAL_S:
             self._publish()
 
@@ -90,10 +97,14 @@ def read_statuses(run: str | None = None) -> list[dict]:
 def describe_event(e: dict | None) -> str:
     if not e:
         return "-"
-    details = {k: e[k] for k in ("step", "cause", "reason", "health", "recovery_s", "lost_steps")
-               if e.get(k) is not None}  # fmt: skip
-    text = ", ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}"
-                     for k, v in details.items())  # fmt: skip
+    details = {
+        k: e[k]
+        for k in ("step", "cause", "reason", "health", "recovery_s", "lost_steps")
+        if e.get(k) is not None
+    }
+    text = ", ".join(
+        f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in details.items()
+    )
     age = time.time() - e["time"]
     return f"{e['event']} ({text}) {age:.0f}s ago"
 
@@ -128,8 +139,13 @@ def show_status(address: str | None, run: str | None) -> int:
     if joined:
         address = address or os.environ.get("RAY_ADDRESS") or "auto"
         try:
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False,
-                     logging_level="WARNING", configure_logging=False)  # fmt: skip
+            ray.init(
+                address=address,
+                namespace=NAMESPACE,
+                log_to_driver=False,
+                logging_level="WARNING",
+                configure_logging=False,
+            )
         except (ConnectionError, RuntimeError) as exc:
             raise UserError(f"--address: cannot reach a Ray cluster at {address}: {exc}") from exc
     try:

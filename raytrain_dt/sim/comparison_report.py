@@ -40,16 +40,27 @@ def table(rows: list[dict]) -> list[str]:
 
 
 def summary(result: dict) -> str:
-    head = (f"{result['model']} on {result['nodes']} nodes x {result['gpus_per_node']} GPUs, "
-            f"{result['days']:g} days ({result['trace']['source']}: {result['trace']['notice']} notices, "
-            f"{result['trace']['down']} losses, {result['trace']['up']} arrivals); best layout "
-            f"{result['best_layout']} at {result['best_step_s']:.3f} s/step; checkpoint every "
-            f"{result['ckpt_every']} steps")  # fmt: skip
-    best = ", ".join(f"{n} {b['ckpt_every']} steps (goodput {b['goodput']:.3f})"
-                     for n, b in result["best_interval"].items())  # fmt: skip
+    head = (
+        f"{result['model']} on {result['nodes']} nodes x {result['gpus_per_node']} GPUs, "
+        f"{result['days']:g} days ({result['trace']['source']}: {result['trace']['notice']} notices, "
+        f"{result['trace']['down']} losses, {result['trace']['up']} arrivals); best layout "
+        f"{result['best_layout']} at {result['best_step_s']:.3f} s/step; checkpoint every "
+        f"{result['ckpt_every']} steps"
+    )
+    best = ", ".join(
+        f"{n} {b['ckpt_every']} steps (goodput {b['goodput']:.3f})"
+        for n, b in result["best_interval"].items()
+    )
     failed = [f"{r['policy']} stopped: {r['failed']}" for r in result["comparison"] if r["failed"]]
-    return "\n".join([head, *table(result["comparison"]), f"best checkpoint interval: {best}",
-                      *failed, f"simulated in {result['sim_wall_s']:.1f} s"])  # fmt: skip
+    return "\n".join(
+        [
+            head,
+            *table(result["comparison"]),
+            f"best checkpoint interval: {best}",
+            *failed,
+            f"simulated in {result['sim_wall_s']:.1f} s",
+        ]
+    )
 
 
 def _plot_timelines(result: dict, out: Path) -> list[str]:
@@ -72,8 +83,12 @@ def _plot_timelines(result: dict, out: Path) -> list[str]:
     fig, ax = plt.subplots(figsize=(7, 4))
     for name in result["best_interval"]:
         rows = [r for r in result["sweep"] if r["policy"] == name]
-        ax.plot([r["ckpt_every"] for r in rows], [r["goodput"] for r in rows], marker="o",
-                label=POLICY_TITLES.get(name, name))  # fmt: skip
+        ax.plot(
+            [r["ckpt_every"] for r in rows],
+            [r["goodput"] for r in rows],
+            marker="o",
+            label=POLICY_TITLES.get(name, name),
+        )
     ax.set_xscale("log")
     ax.set_xlabel("checkpoint interval (steps)")
     ax.set_ylabel("goodput")
@@ -87,23 +102,35 @@ def _plot_timelines(result: dict, out: Path) -> list[str]:
 def _markdown(result: dict, images: list[str]) -> str:
     c = result["costs"]
     lines = [
-        "# Elasticity at scale, by simulation", "",
-        summary(result).splitlines()[0] + ".", "",
+        "# Elasticity at scale, by simulation",
+        "",
+        summary(result).splitlines()[0] + ".",
+        "",
         "Goodput: samples trained and kept, over what the best layout for the whole cluster "
         "trains in the same wall time. Down: no step running (detection, waiting for capacity, "
         "draining, re-forming). Degraded: training slower than the best layout. Spot $: every "
         "alive node's GPU-hours at the spot price; on-demand $: the same work on the best "
-        "layout without interruptions at the on-demand price.", "",
-        *table(result["comparison"]), "",
-        "## Checkpoint interval sweep", "", *table(result["sweep"]), "",
-        "Best interval per policy: " + ", ".join(
-            f"{n}: {b['ckpt_every']} steps" for n, b in result["best_interval"].items()), "",
-        *[f"![{img}]({img})" for img in images], "",
-        "## Costs assumed (seconds, $/GPU-hour)", "",
-        ", ".join(f"{k}={v}" for k, v in c.items()), "",
+        "layout without interruptions at the on-demand price.",
+        "",
+        *table(result["comparison"]),
+        "",
+        "## Checkpoint interval sweep",
+        "",
+        *table(result["sweep"]),
+        "",
+        "Best interval per policy: "
+        + ", ".join(f"{n}: {b['ckpt_every']} steps" for n, b in result["best_interval"].items()),
+        "",
+        *[f"![{img}]({img})" for img in images],
+        "",
+        "## Costs assumed (seconds, $/GPU-hour)",
+        "",
+        ", ".join(f"{k}={v}" for k, v in c.items()),
+        "",
         "Checkpoint save/load/stall at the best layout: "
-        + ", ".join(f"{k} {v:.2f} s" for k, v in result["checkpoint_s"].items()), "",
-    ]  # fmt: skip
+        + ", ".join(f"{k} {v:.2f} s" for k, v in result["checkpoint_s"].items()),
+        "",
+    ]
     return "\n".join(lines)
 
 

@@ -123,12 +123,18 @@ class GroupModel:
 
     def _observe(self, health: str, with_layout: bool = True) -> Observation:
         return Observation(
-            now=self.t, nodes=self._usable(), draining=frozenset(node_name(i) for i in self.draining),
-            layout=self.layout if with_layout else None, layout_nodes=self.layout_nodes,
-            health=health, step=self._progress()[0], restarts=self.restarts,
-            failures_at_step=self.streak.count, waiting_since=self.waiting_since,
+            now=self.t,
+            nodes=self._usable(),
+            draining=frozenset(node_name(i) for i in self.draining),
+            layout=self.layout if with_layout else None,
+            layout_nodes=self.layout_nodes,
+            health=health,
+            step=self._progress()[0],
+            restarts=self.restarts,
+            failures_at_step=self.streak.count,
+            waiting_since=self.waiting_since,
             nodes_stable_since=self.nodes_since,
-        )  # fmt: skip
+        )
 
     def _progress(self) -> tuple[int, int]:
         if self.seg is None:
@@ -237,15 +243,31 @@ class GroupModel:
         lay = self.layout
         step_s = self.planner.step_s(lay, self.costs, self.gpus_per_node)
         self._last_step_s = step_s
-        self.seg = Segment(t0, self.step, step_s, self.samples, self.strategy.samples_per_step(lay),
-                           lay.dims.world_size, self.ckpt_every,
-                           self.planner.stall_s(self.costs, lay.dims.world_size),
-                           self.planner.save_s(self.costs, len(self.layout_nodes)))  # fmt: skip
+        self.seg = Segment(
+            t0,
+            self.step,
+            step_s,
+            self.samples,
+            self.strategy.samples_per_step(lay),
+            lay.dims.world_size,
+            self.ckpt_every,
+            self.planner.stall_s(self.costs, lay.dims.world_size),
+            self.planner.save_s(self.costs, len(self.layout_nodes)),
+        )
         self.phase, self.gen = "running", self.gen + 1
-        self.result.formations.append({"t": self.t, "step": self.step, "kind": kind,
-                                       "world": lay.dims.world_size, "nodes": len(self.layout_nodes),
-                                       "layout": lay.as_dict(), "describe": lay.describe(),
-                                       "step_s": step_s, "reason": reason})  # fmt: skip
+        self.result.formations.append(
+            {
+                "t": self.t,
+                "step": self.step,
+                "kind": kind,
+                "world": lay.dims.world_size,
+                "nodes": len(self.layout_nodes),
+                "layout": lay.as_dict(),
+                "describe": lay.describe(),
+                "step_s": step_s,
+                "reason": reason,
+            }
+        )
         self.result.timeline.append((t0, self.samples, lay.dims.world_size))
 
     def _live_resize(self, decision: Resize, joined: bool = False) -> None:

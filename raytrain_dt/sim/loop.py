@@ -58,8 +58,11 @@ class Simulation(GroupModel):
             self._decide("ok")
 
     def _node_of_rank(self, rank: int) -> int:
-        counts = counts_by_node(self.layout.dims.world_size, self.layout.dims.tp,
-                                [(n, self.gpus_per_node) for n in self.layout_nodes])  # fmt: skip
+        counts = counts_by_node(
+            self.layout.dims.world_size,
+            self.layout.dims.tp,
+            [(n, self.gpus_per_node) for n in self.layout_nodes],
+        )
         for name in sorted(counts):
             if rank < counts[name]:
                 return node_index(name)

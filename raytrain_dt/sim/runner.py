@@ -25,12 +25,17 @@ from raytrain_dt.topology.nodes import planning_topology
 # limits that guard a small run are lifted (a second node lost before the first step after a
 # restart would otherwise count as a deterministic failure at that step); growth waits for 5
 # minutes of stable capacity.
-SCALE_ELASTIC = {"max_restarts": 10**9, "max_failures_at_step": 10**9, "wait_timeout_s": 10**9,
-                 "grow_stable_s": 300.0}  # fmt: skip
+SCALE_ELASTIC = {
+    "max_restarts": 10**9,
+    "max_failures_at_step": 10**9,
+    "wait_timeout_s": 10**9,
+    "grow_stable_s": 300.0,
+}
 
 
-def scale_config(model: str, gpus_per_node: int, seq_len: int, global_batch: int,
-                 elastic: dict | None = None) -> TrainConfig:  # fmt: skip
+def scale_config(
+    model: str, gpus_per_node: int, seq_len: int, global_batch: int, elastic: dict | None = None
+) -> TrainConfig:
     cfg = TrainConfig()
     cfg.model.preset = model
     cfg.data.seq_len = seq_len
@@ -57,11 +62,15 @@ class Setup:
             raise UserError(f"--nodes: no layout of the model fits on {self.nodes} nodes")
         self.best_step_s = self.planner.step_s(self.best, self.costs, self.gpus_per_node)
         self.best_samples_per_s = self.best.global_batch / self.best_step_s
-        used = counts_by_node(self.best.dims.world_size, self.best.dims.tp,
-                              [(n.node_id, n.accelerators) for n in every])  # fmt: skip
+        used = counts_by_node(
+            self.best.dims.world_size,
+            self.best.dims.tp,
+            [(n.node_id, n.accelerators) for n in every],
+        )
         self.best_nodes = len(used)
-        topo = planning_topology(self.planner.cfg.cluster, self.planner.resource, list(every),
-                                 self.best.dims.world_size)  # fmt: skip
+        topo = planning_topology(
+            self.planner.cfg.cluster, self.planner.resource, list(every), self.best.dims.world_size
+        )
         self.memory_per_accelerator = topo.memory_per_accelerator
 
     def strategy(self, name: str) -> strategies.Strategy:
@@ -70,15 +79,26 @@ class Setup:
         if name == "restart":
             return strategies.restart(self.best, self.best_nodes)
         if name == "dp_only":
-            return strategies.dp_only(self.planner, self.best, self.gpus_per_node,
-                                    self.memory_per_accelerator)  # fmt: skip
+            return strategies.dp_only(
+                self.planner, self.best, self.gpus_per_node, self.memory_per_accelerator
+            )
         raise UserError(f"--policies: {name!r} is not one of {', '.join(strategies.POLICY_NAMES)}")
 
-    def run(self, name: str, trace: Trace | StepTrace, ckpt_every: int,
-            total_steps: int | None = None) -> SimResult:  # fmt: skip
-        return Simulation(self.strategy(name), trace, self.planner, self.costs, self.gpus_per_node,
-                          ckpt_every, self.best_samples_per_s, self.elastic.grow_stable_s,
-                          self.elastic.wait_timeout_s, total_steps).run()  # fmt: skip
+    def run(
+        self, name: str, trace: Trace | StepTrace, ckpt_every: int, total_steps: int | None = None
+    ) -> SimResult:
+        return Simulation(
+            self.strategy(name),
+            trace,
+            self.planner,
+            self.costs,
+            self.gpus_per_node,
+            ckpt_every,
+            self.best_samples_per_s,
+            self.elastic.grow_stable_s,
+            self.elastic.wait_timeout_s,
+            total_steps,
+        ).run()
 
     def score(self, r: SimResult) -> dict:
         """The report's row for one run."""
@@ -87,20 +107,33 @@ class Setup:
         spot_usd = r.gpu_hours_held * c.spot_usd_per_gpu_h
         on_demand_usd = on_demand_h * gpus * c.on_demand_usd_per_gpu_h
         return {
-            "policy": r.policy, "ckpt_every": r.ckpt_every,
+            "policy": r.policy,
+            "ckpt_every": r.ckpt_every,
             "goodput": r.samples / (r.wall_s * self.best_samples_per_s) if r.wall_s else 0.0,
-            "steps": r.steps, "samples": r.samples, "steps_lost": r.steps_lost,
-            "lost_compute_h": r.lost_compute_s / 3600, "down_h": r.down_s / 3600,
-            "degraded_h": r.degraded_s / 3600, "below_best_h": (r.down_s + r.degraded_s) / 3600,
-            "failures": r.failures, "drains": r.drains, "formations": len(r.formations),
-            "spot_usd": spot_usd, "on_demand_usd_same_work": on_demand_usd,
+            "steps": r.steps,
+            "samples": r.samples,
+            "steps_lost": r.steps_lost,
+            "lost_compute_h": r.lost_compute_s / 3600,
+            "down_h": r.down_s / 3600,
+            "degraded_h": r.degraded_s / 3600,
+            "below_best_h": (r.down_s + r.degraded_s) / 3600,
+            "failures": r.failures,
+            "drains": r.drains,
+            "formations": len(r.formations),
+            "spot_usd": spot_usd,
+            "on_demand_usd_same_work": on_demand_usd,
             "spot_saving": 1 - spot_usd / on_demand_usd if on_demand_usd else 0.0,
             "failed": r.failed,
-        }  # fmt: skip
+        }
 
 
-def compare(setup: Setup, trace: Trace, ckpt_every: int, sweep: list[int],
-            names: tuple[str, ...] = strategies.POLICY_NAMES) -> dict:  # fmt: skip
+def compare(
+    setup: Setup,
+    trace: Trace,
+    ckpt_every: int,
+    sweep: list[int],
+    names: tuple[str, ...] = strategies.POLICY_NAMES,
+) -> dict:
     """Every policy at `ckpt_every` plus the sweep; the same trace and plan cache for all."""
     started = time.perf_counter()
     intervals = sorted({ckpt_every, *sweep})
@@ -114,25 +147,32 @@ def compare(setup: Setup, trace: Trace, ckpt_every: int, sweep: list[int],
     }
     return {
         "model": setup.planner.cfg.model.preset,
-        "nodes": setup.nodes, "gpus_per_node": setup.gpus_per_node,
-        "days": trace.duration_s / 86400, "trace": {"source": trace.source, **trace.counts()},
-        "best_layout": setup.best.describe(), "best_step_s": setup.best_step_s,
-        "best_nodes": setup.best_nodes, "global_batch": setup.best.global_batch,
+        "nodes": setup.nodes,
+        "gpus_per_node": setup.gpus_per_node,
+        "days": trace.duration_s / 86400,
+        "trace": {"source": trace.source, **trace.counts()},
+        "best_layout": setup.best.describe(),
+        "best_step_s": setup.best_step_s,
+        "best_nodes": setup.best_nodes,
+        "global_batch": setup.best.global_batch,
         "costs": {k: v for k, v in asdict(setup.costs).items() if k != "step_s_by_world"},
-        "checkpoint_s": {"save": setup.planner.save_s(setup.costs, setup.best_nodes),
-                         "load": setup.planner.load_s(setup.costs, setup.best_nodes),
-                         "stall": setup.planner.stall_s(setup.costs, setup.best.dims.world_size)},
+        "checkpoint_s": {
+            "save": setup.planner.save_s(setup.costs, setup.best_nodes),
+            "load": setup.planner.load_s(setup.costs, setup.best_nodes),
+            "stall": setup.planner.stall_s(setup.costs, setup.best.dims.world_size),
+        },
         "elastic": asdict(setup.elastic),
         "ckpt_every": ckpt_every,
         "comparison": [rows[name, ckpt_every] for name in names],
         "sweep": [rows[name, e] for name in names for e in intervals],
-        "best_interval": {n: {"ckpt_every": e, "goodput": rows[n, e]["goodput"]}
-                          for n, e in best_interval.items()},
+        "best_interval": {
+            n: {"ckpt_every": e, "goodput": rows[n, e]["goodput"]} for n, e in best_interval.items()
+        },
         "timelines": {name: runs[name, ckpt_every].timeline for name in names},
         "formations": {name: runs[name, ckpt_every].formations[:200] for name in names},
         "plans_computed": setup.planner.calls,
         "sim_wall_s": time.perf_counter() - started,
-    }  # fmt: skip
+    }
 
 
 def default_sweep(best_step_s: float) -> list[int]:

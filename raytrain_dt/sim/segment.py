@@ -35,8 +35,11 @@ class Segment:
     def time_of(self, step: int) -> float:
         if step <= self.s0:
             return self.t0
-        return (self.t0 + (step - self.s0) * self.step_s
-                + self.stall_s * self._checkpoints_in(self.s0, step - 1))  # fmt: skip
+        return (
+            self.t0
+            + (step - self.s0) * self.step_s
+            + self.stall_s * self._checkpoints_in(self.s0, step - 1)
+        )
 
     def steps_at(self, t: float) -> int:
         """Steps completed by time t (capped at stop_step)."""

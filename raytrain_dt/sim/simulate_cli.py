@@ -30,20 +30,38 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
     p.add_argument("--out", required=True, help="directory for simulation.json, plots, report.md")
     p.add_argument("--ckpt-every", type=int, help="steps between checkpoints (default: ~10 min)")
-    p.add_argument("--sweep", help="comma-separated checkpoint intervals in steps "
-                   "(default: about 2.5, 5, 10, 20, 40 minutes of steps)")  # fmt: skip
+    p.add_argument(
+        "--sweep",
+        help="comma-separated checkpoint intervals in steps "
+        "(default: about 2.5, 5, 10, 20, 40 minutes of steps)",
+    )
     p.add_argument("--policies", default=",".join(POLICY_NAMES))
     p.add_argument("--spot-price", type=float, default=Costs.spot_usd_per_gpu_h, help="$/GPU-hour")
-    p.add_argument("--on-demand-price", type=float, default=Costs.on_demand_usd_per_gpu_h,
-                   help="$/GPU-hour")  # fmt: skip
+    p.add_argument(
+        "--on-demand-price", type=float, default=Costs.on_demand_usd_per_gpu_h, help="$/GPU-hour"
+    )
     for f in dataclasses.fields(TraceSpec):
         if f.name not in ("nodes", "duration_s", "seed"):
-            p.add_argument(f"--{f.name.replace('_', '-')}", type=type(f.default), default=f.default,
-                           help="synthetic trace")  # fmt: skip
-    p.add_argument("--cost", action="append", default=[], metavar="KEY=SECONDS",
-                   help="override a cost (detection_s, reform_s, ckpt_save_s, ...)")  # fmt: skip
-    p.add_argument("--elastic", action="append", default=[], metavar="KEY=VALUE",
-                   help="override elastic.* for the policy (e.g. grow_stable_s=600)")  # fmt: skip
+            p.add_argument(
+                f"--{f.name.replace('_', '-')}",
+                type=type(f.default),
+                default=f.default,
+                help="synthetic trace",
+            )
+    p.add_argument(
+        "--cost",
+        action="append",
+        default=[],
+        metavar="KEY=SECONDS",
+        help="override a cost (detection_s, reform_s, ckpt_save_s, ...)",
+    )
+    p.add_argument(
+        "--elastic",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override elastic.* for the policy (e.g. grow_stable_s=600)",
+    )
 
 
 def _pairs(items: list[str], allowed: set[str], flag: str) -> dict[str, float]:
@@ -69,9 +87,13 @@ def run_simulate(args: argparse.Namespace) -> int:
         raise UserError("--nodes, --gpus-per-node and --days must be positive")
     names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
     cost_keys = {f.name for f in dataclasses.fields(Costs) if f.name != "step_s_by_world"}
-    costs = Costs(**{**_pairs(args.cost, cost_keys, "--cost"),
-                     "spot_usd_per_gpu_h": args.spot_price,
-                     "on_demand_usd_per_gpu_h": args.on_demand_price})  # fmt: skip
+    costs = Costs(
+        **{
+            **_pairs(args.cost, cost_keys, "--cost"),
+            "spot_usd_per_gpu_h": args.spot_price,
+            "on_demand_usd_per_gpu_h": args.on_demand_price,
+        }
+    )
     elastic = _pairs(args.elastic, {f.name for f in dataclasses.fields(ElasticConfig)}, "--elastic")
     batch = args.global_batch or max(1, round(DEFAULT_TOKENS_PER_STEP / args.seq_len))
     cfg = scale_config(args.model, args.gpus_per_node, args.seq_len, batch, elastic)
@@ -80,8 +102,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     if args.trace:
         trace = load_trace(args.trace, args.nodes, duration)
     else:
-        knobs = {f.name: getattr(args, f.name) for f in dataclasses.fields(TraceSpec)
-                 if f.name not in ("nodes", "duration_s", "seed")}  # fmt: skip
+        knobs = {
+            f.name: getattr(args, f.name)
+            for f in dataclasses.fields(TraceSpec)
+            if f.name not in ("nodes", "duration_s", "seed")
+        }
         trace = synthetic_trace(
             TraceSpec(nodes=args.nodes, duration_s=duration, seed=args.seed, **knobs)
         )

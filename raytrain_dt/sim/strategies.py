@@ -53,9 +53,15 @@ class Strategy:
 
 def ours(planner: SimPlanner, elastic: ElasticConfig) -> Strategy:
     policy = ElasticPolicy(elastic, planner.plan_for)
-    return Strategy("ours", policy.decide, uses_notice=True, live_resize=False,
-                    cold_restart=False, samples_per_step=lambda lay: lay.global_batch,
-                    prestarts_actors=True)  # fmt: skip
+    return Strategy(
+        "ours",
+        policy.decide,
+        uses_notice=True,
+        live_resize=False,
+        cold_restart=False,
+        samples_per_step=lambda lay: lay.global_batch,
+        prestarts_actors=True,
+    )
 
 
 def restart(full_layout: Layout, nodes_needed: int) -> Strategy:
@@ -67,12 +73,19 @@ def restart(full_layout: Layout, nodes_needed: int) -> Strategy:
         used = tuple(n.node_id for n in obs.nodes[:nodes_needed])
         return Resize(full_layout, used, f"restart at {full_layout.describe()}")
 
-    return Strategy("restart", decide, uses_notice=False, live_resize=False, cold_restart=True,
-                    samples_per_step=lambda lay: lay.global_batch)  # fmt: skip
+    return Strategy(
+        "restart",
+        decide,
+        uses_notice=False,
+        live_resize=False,
+        cold_restart=True,
+        samples_per_step=lambda lay: lay.global_batch,
+    )
 
 
-def dp_only(planner: SimPlanner, full_layout: Layout, gpus_per_node: int,
-            memory_per_accelerator: float) -> Strategy:  # fmt: skip
+def dp_only(
+    planner: SimPlanner, full_layout: Layout, gpus_per_node: int, memory_per_accelerator: float
+) -> Strategy:
     """Replicas of the full layout's TP x PP; each replica shards over `group` nodes."""
     tp, pp = full_layout.dims.tp, full_layout.dims.pp
     per_rank = full_layout.micro_batch * full_layout.grad_accum  # samples per DP rank per step
@@ -80,11 +93,13 @@ def dp_only(planner: SimPlanner, full_layout: Layout, gpus_per_node: int,
     shard = group * gpus_per_node // (tp * pp)
 
     def layout_for(replicas: int) -> Layout:
-        dims = ParallelDims(replicas * group * gpus_per_node, pp=pp, dp_replicate=replicas,
-                            dp_shard=shard, tp=tp)  # fmt: skip
+        dims = ParallelDims(
+            replicas * group * gpus_per_node, pp=pp, dp_replicate=replicas, dp_shard=shard, tp=tp
+        )
         # Its batch is per_rank x dp, never padded: DP-only shrinks the batch instead.
-        return dataclasses.replace(full_layout, dims=dims, zero_stage=3 if shard > 1 else 0,
-                                   real_global_batch=0)  # fmt: skip
+        return dataclasses.replace(
+            full_layout, dims=dims, zero_stage=3 if shard > 1 else 0, real_global_batch=0
+        )
 
     def decide(obs: Observation) -> Decision:
         replicas = len(obs.nodes) // group
@@ -98,8 +113,14 @@ def dp_only(planner: SimPlanner, full_layout: Layout, gpus_per_node: int,
         used = tuple(n.node_id for n in obs.nodes[: replicas * group])
         return Resize(lay, used, f"DP-only: {replicas} replicas of {group} nodes")
 
-    return Strategy("dp_only", decide, uses_notice=False, live_resize=True, cold_restart=False,
-                    samples_per_step=lambda lay: per_rank * lay.dims.dp)  # fmt: skip
+    return Strategy(
+        "dp_only",
+        decide,
+        uses_notice=False,
+        live_resize=True,
+        cold_restart=False,
+        samples_per_step=lambda lay: per_rank * lay.dims.dp,
+    )
 
 
 def _replica_nodes(planner: SimPlanner, full: Layout, gpus_per_node: int, memory: float) -> int:
@@ -110,10 +131,12 @@ def _replica_nodes(planner: SimPlanner, full: Layout, gpus_per_node: int, memory
     while group * gpus_per_node <= full.dims.world_size:
         shard = group * gpus_per_node // (tp * pp)
         dims = ParallelDims(shard * tp * pp, pp=pp, dp_shard=shard, tp=tp)
-        lay = dataclasses.replace(full, dims=dims, zero_stage=3 if shard > 1 else 0,
-                                  real_global_batch=0)  # fmt: skip
-        mem = estimate_memory(planner.shape, lay, seq_len=planner.cfg.data.seq_len,
-                              precision=planner.precision)  # fmt: skip
+        lay = dataclasses.replace(
+            full, dims=dims, zero_stage=3 if shard > 1 else 0, real_global_batch=0
+        )
+        mem = estimate_memory(
+            planner.shape, lay, seq_len=planner.cfg.data.seq_len, precision=planner.precision
+        )
         if mem.total <= memory:
             return group
         group += nodes_for_tp_pp

@@ -74,8 +74,10 @@ class Trace:
         return {name: int((self.kind == k).sum()) for k, name in enumerate(KIND_NAMES)}
 
     def to_json(self) -> dict:
-        events = [{"t": round(float(t), 3), "kind": KIND_NAMES[k], "node": int(n)}
-                  for t, k, n in zip(self.t, self.kind, self.node, strict=True)]  # fmt: skip
+        events = [
+            {"t": round(float(t), 3), "kind": KIND_NAMES[k], "node": int(n)}
+            for t, k, n in zip(self.t, self.kind, self.node, strict=True)
+        ]
         return {"nodes": self.nodes, "duration_s": self.duration_s, "events": events}
 
 
@@ -83,8 +85,9 @@ def _sorted_trace(nodes, duration_s, t, kind, node, source) -> Trace:
     t, kind, node = np.asarray(t, float), np.asarray(kind, np.int8), np.asarray(node, np.int64)
     keep = t < duration_s
     order = np.lexsort((node[keep], kind[keep], t[keep]))
-    return Trace(nodes, float(duration_s), t[keep][order], kind[keep][order], node[keep][order],
-                 source)  # fmt: skip
+    return Trace(
+        nodes, float(duration_s), t[keep][order], kind[keep][order], node[keep][order], source
+    )
 
 
 def _merge(intervals: list[tuple[float, float, bool]]) -> list[tuple[float, float, bool]]:
@@ -119,8 +122,12 @@ def synthetic_trace(spec: TraceSpec) -> Trace:
             per_node[i].append((float(starts[i, j]), float(ends[i, j]), bool(noticed[i, j])))
     zones = max(1, -(-n // spec.zone_size))
     outages = rng.poisson(spec.zone_outages_per_day * horizon / DAY)
-    for start, zone, length in zip(rng.uniform(0, horizon, outages), rng.integers(0, zones, outages),
-                                   rng.exponential(spec.zone_outage_mean_s, outages), strict=True):  # fmt: skip
+    for start, zone, length in zip(
+        rng.uniform(0, horizon, outages),
+        rng.integers(0, zones, outages),
+        rng.exponential(spec.zone_outage_mean_s, outages),
+        strict=True,
+    ):
         for i in range(zone * spec.zone_size, min(n, (zone + 1) * spec.zone_size)):
             per_node[i].append((float(start), float(start + length), False))
     t, kind, node = [], [], []
@@ -158,8 +165,10 @@ def load_trace(path: str | Path, nodes: int, duration_s: float) -> Trace:
             kind.append(KIND_NAMES.index(str(row["kind"]).strip()))
             node.append(int(row["node"]))
         except (KeyError, ValueError) as exc:
-            raise UserError(f"--trace: {path} event {i}: {row!r} is not "
-                            f"{{t, kind (notice|down|up), node}} ({exc})") from None  # fmt: skip
+            raise UserError(
+                f"--trace: {path} event {i}: {row!r} is not "
+                f"{{t, kind (notice|down|up), node}} ({exc})"
+            ) from None
     return _sorted_trace(nodes, duration_s, t, kind, node, str(path))
 
 

@@ -56,8 +56,13 @@ def single_process_group() -> Iterator[None]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}  # fmt: skip
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     dist.init_process_group("gloo", rank=0, world_size=1)
@@ -223,8 +228,13 @@ def write_deepspeed(
 
 
 # --- the command -----------------------------------------------------------------------------------
-def convert(src: CheckpointRef, dst_root: str, to: str, zero_stage: int | None = None,
-            cfg: TrainConfig | None = None) -> CheckpointRef:  # fmt: skip
+def convert(
+    src: CheckpointRef,
+    dst_root: str,
+    to: str,
+    zero_stage: int | None = None,
+    cfg: TrainConfig | None = None,
+) -> CheckpointRef:
     """Write `src` as a committed 1-rank checkpoint of engine `to` under `dst_root`."""
     if to not in ENGINES:
         raise ValueError(f"--to: {to!r} is not one of {', '.join(ENGINES)}")
@@ -256,8 +266,13 @@ def convert(src: CheckpointRef, dst_root: str, to: str, zero_stage: int | None =
         else:
             write_deepspeed(target.uri, state, step, shape, cfg, new_layout, written)
     _copy_rng(Location.parse(src.uri), target, written)
-    new_state = dict(train_state, engine=to, layout=new_layout.as_dict(),
-                     world_size=new_layout.dims.world_size, converted_from=src.uri)  # fmt: skip
+    new_state = dict(
+        train_state,
+        engine=to,
+        layout=new_layout.as_dict(),
+        world_size=new_layout.dims.world_size,
+        converted_from=src.uri,
+    )
     return store.commit(src.step, new_state, written.manifest())
 
 

@@ -157,8 +157,15 @@ def estimate_step_time(
     # Full checkpointing re-runs the forward: 1 + 2 passes become 2 + 2.
     recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
     # Every batch slot is computed, padding included (`Layout.padded_slots`).
-    compute = compute_s(shape, layout.micro_batch * m, d.tp * d.pp, topology,
-                        seq_len=seq_len, mfu=mfu, recompute=recompute)  # fmt: skip
+    compute = compute_s(
+        shape,
+        layout.micro_batch * m,
+        d.tp * d.pp,
+        topology,
+        seq_len=seq_len,
+        mfu=mfu,
+        recompute=recompute,
+    )
 
     layers = shape.n_layers // d.pp
     tp = 0.0

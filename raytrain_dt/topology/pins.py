@@ -41,21 +41,31 @@ class LayoutPins:
             "offload_optimizer": e.offload_optimizer,
         }
         return cls(
-            tp=p.tp, pp=p.pp, dp_replicate=p.dp_replicate, dp_shard=p.dp_shard,
-            zero_stage=e.zero_stage, micro_batch=t.micro_batch, grad_accum=t.grad_accum,
-            pp_schedule=p.pp_schedule, virtual_stages=p.virtual_stages,
+            tp=p.tp,
+            pp=p.pp,
+            dp_replicate=p.dp_replicate,
+            dp_shard=p.dp_shard,
+            zero_stage=e.zero_stage,
+            micro_batch=t.micro_batch,
+            grad_accum=t.grad_accum,
+            pp_schedule=p.pp_schedule,
+            virtual_stages=p.virtual_stages,
             grad_sync=None if e.grad_sync == "auto" else e.grad_sync,
             # Pinned both ways: a layout may only claim sequence parallelism the engine applies.
             sequence_parallel=p.sequence_parallel,
             **{k: True if v else None for k, v in flag.items()},
-        )  # fmt: skip
+        )
 
 
 _POSITIVE_PINS = {
-    "tp": "parallel.tp", "pp": "parallel.pp", "dp_replicate": "parallel.dp_replicate",
-    "dp_shard": "parallel.dp_shard", "micro_batch": "trainer.micro_batch",
-    "grad_accum": "trainer.grad_accum", "virtual_stages": "parallel.virtual_stages",
-}  # fmt: skip
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "dp_replicate": "parallel.dp_replicate",
+    "dp_shard": "parallel.dp_shard",
+    "micro_batch": "trainer.micro_batch",
+    "grad_accum": "trainer.grad_accum",
+    "virtual_stages": "parallel.virtual_stages",
+}
 
 
 def engine_refusal(
@@ -104,27 +114,53 @@ def validate_pins(
     v, sched = pins.virtual_stages or 1, pins.pp_schedule or "1f1b"
     # (broken, message) in order: the first broken rule is reported.
     rules = [
-        (tp and per_node % tp,
-         f"parallel.tp: {tp} does not divide cluster accelerators per node ({per_node})"),
-        (tp and shape.n_heads % tp, f"parallel.tp: {tp} does not divide model.n_heads ({shape.n_heads})"),
-        (tp and shape.n_kv_heads % tp,
-         f"parallel.tp: {tp} does not divide model.n_kv_heads ({shape.n_kv_heads})"),
-        (pp and shape.n_layers % pp, f"parallel.pp: {pp} does not divide model.n_layers ({shape.n_layers})"),
-        (product > n, f"parallel.{degrees[-1][0] if degrees else 'tp'}: "
-         + " x ".join(f"{a}({v})" for a, v in degrees) + f" = {product} exceeds the cluster's {n} accelerators"),
+        (
+            tp and per_node % tp,
+            f"parallel.tp: {tp} does not divide cluster accelerators per node ({per_node})",
+        ),
+        (
+            tp and shape.n_heads % tp,
+            f"parallel.tp: {tp} does not divide model.n_heads ({shape.n_heads})",
+        ),
+        (
+            tp and shape.n_kv_heads % tp,
+            f"parallel.tp: {tp} does not divide model.n_kv_heads ({shape.n_kv_heads})",
+        ),
+        (
+            pp and shape.n_layers % pp,
+            f"parallel.pp: {pp} does not divide model.n_layers ({shape.n_layers})",
+        ),
+        (
+            product > n,
+            f"parallel.{degrees[-1][0] if degrees else 'tp'}: "
+            + " x ".join(f"{a}({v})" for a, v in degrees)
+            + f" = {product} exceeds the cluster's {n} accelerators",
+        ),
         (z not in (None, 0, 1, 2, 3), f"engine.zero_stage: {z!r} is not one of 0, 1, 2, 3"),
-        (z == 0 and (pins.dp_shard or 1) > 1,
-         f"engine.zero_stage: 0 (plain DP) needs parallel.dp_shard=1, got {pins.dp_shard}"),
-        (z == 0 and pins.offload_optimizer, "engine.offload_optimizer: needs engine.zero_stage >= 1, got 0"),
+        (
+            z == 0 and (pins.dp_shard or 1) > 1,
+            f"engine.zero_stage: 0 (plain DP) needs parallel.dp_shard=1, got {pins.dp_shard}",
+        ),
+        (
+            z == 0 and pins.offload_optimizer,
+            "engine.offload_optimizer: needs engine.zero_stage >= 1, got 0",
+        ),
         (mb and gb % mb, f"trainer.micro_batch: {mb} does not divide trainer.global_batch ({gb})"),
         (ga and gb % ga, f"trainer.grad_accum: {ga} does not divide trainer.global_batch ({gb})"),
-        (mb and ga and gb % (mb * ga), f"trainer.grad_accum: micro_batch({mb}) x grad_accum({ga}) "
-         f"does not divide trainer.global_batch ({gb})"),
-        (pins.dp_replicate and pins.dp_shard and gb % dp,
-         f"parallel.dp_shard: dp = {dp} does not divide trainer.global_batch ({gb})"),
-        (v > 1 and sched != "interleaved",
-         f"parallel.virtual_stages: {v} needs parallel.pp_schedule=interleaved, got {sched}"),
-    ]  # fmt: skip
+        (
+            mb and ga and gb % (mb * ga),
+            f"trainer.grad_accum: micro_batch({mb}) x grad_accum({ga}) "
+            f"does not divide trainer.global_batch ({gb})",
+        ),
+        (
+            pins.dp_replicate and pins.dp_shard and gb % dp,
+            f"parallel.dp_shard: dp = {dp} does not divide trainer.global_batch ({gb})",
+        ),
+        (
+            v > 1 and sched != "interleaved",
+            f"parallel.virtual_stages: {v} needs parallel.pp_schedule=interleaved, got {sched}",
+        ),
+    ]
     for broken, message in rules:
         if broken:
             raise ConfigError(message)

@@ -71,10 +71,17 @@ class Plan:
 
 _DIMS_KEYS = ("world_size", "pp", "dp", "tp", "dp_replicate", "dp_shard")
 _LAYOUT_KEYS = (
-    "zero_stage", "micro_batch", "grad_accum", "global_batch", "batch_slots",
-    "activation_checkpointing", "sequence_parallel", "offload_optimizer", "pp_schedule",
+    "zero_stage",
+    "micro_batch",
+    "grad_accum",
+    "global_batch",
+    "batch_slots",
+    "activation_checkpointing",
+    "sequence_parallel",
+    "offload_optimizer",
+    "pp_schedule",
     "virtual_stages",
-)  # fmt: skip
+)
 
 
 def _candidate_json(c: Candidate) -> dict:
@@ -258,8 +265,18 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
                     continue
                 dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
                 for mb in mbs:  # ascending: activations only grow, so stop at the first miss
-                    layout = Layout(dims, zero, mb, per_rank // mb, ac, sp, offload, sched, v,
-                                    real_global_batch=real)  # fmt: skip
+                    layout = Layout(
+                        dims,
+                        zero,
+                        mb,
+                        per_rank // mb,
+                        ac,
+                        sp,
+                        offload,
+                        sched,
+                        v,
+                        real_global_batch=real,
+                    )
                     kw = {"seq_len": o.seq_len, "precision": o.precision}
                     found = [
                         (lay, estimate_memory(shape, lay, margin=o.margin, engine=o.engine, **kw))

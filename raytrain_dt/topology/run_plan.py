@@ -41,8 +41,9 @@ def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gp
     )
 
 
-def plan_for_nodes(cfg: TrainConfig, shape: ModelShape, resource: str,
-                   nodes: tuple[NodeInfo, ...]) -> Plan | None:  # fmt: skip
+def plan_for_nodes(
+    cfg: TrainConfig, shape: ModelShape, resource: str, nodes: tuple[NodeInfo, ...]
+) -> Plan | None:
     """The planner's answer for these nodes (None when nothing fits there)."""
     if not nodes:
         return None

@@ -36,8 +36,15 @@ log = logging.getLogger(__name__)
 
 
 class RankCheckpointer:
-    def __init__(self, engine: Engine, rank: int, report: Callable[[RankReport], None], use_async: bool,
-                 device: DeviceSpec, die_while_saving: Collection[int] = ()):  # fmt: skip
+    def __init__(
+        self,
+        engine: Engine,
+        rank: int,
+        report: Callable[[RankReport], None],
+        use_async: bool,
+        device: DeviceSpec,
+        die_while_saving: Collection[int] = (),
+    ):
         """`device`: whose RNG is saved beside the CPU's. `die_while_saving`: steps whose save
         this rank dies in the middle of (chaos `kill_rank_mid_save`, for tests)."""
         self.engine = engine

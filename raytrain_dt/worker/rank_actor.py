@@ -118,8 +118,12 @@ class RankWorker:
     def _import_lazy_torch_modules(self) -> None:
         started = time.perf_counter()
         import_lazy_torch_modules()
-        log.info("actor %d: torch's lazy modules imported in %.2fs (%.2fs after __init__)",
-                 self.actor_index, time.perf_counter() - started, time.time() - self._init_at)  # fmt: skip
+        log.info(
+            "actor %d: torch's lazy modules imported in %.2fs (%.2fs after __init__)",
+            self.actor_index,
+            time.perf_counter() - started,
+            time.time() - self._init_at,
+        )
 
     def warmed(self) -> float:
         """Waits for the imports queued at start; returns the seconds since `__init__`."""
@@ -163,8 +167,9 @@ class RankWorker:
         idle_rss = host_memory()["host_rss_bytes"]
         t0 = time.perf_counter()
         # The accelerator Ray assigned this actor, not one guessed from the rank.
-        device = select_device(spec.cfg.engine.precision, spec.cfg.cluster.device,
-                               ray_accelerator_index())  # fmt: skip
+        device = select_device(
+            spec.cfg.engine.precision, spec.cfg.cluster.device, ray_accelerator_index()
+        )
         device.activate()
         self._device = device
         os.environ.update(
@@ -200,9 +205,13 @@ class RankWorker:
             polls=lambda: self._polls,
         )
         self.checkpointer = RankCheckpointer(
-            self.engine, spec.rank, self._reports.put, spec.cfg.checkpoint.async_save, device,
+            self.engine,
+            spec.rank,
+            self._reports.put,
+            spec.cfg.checkpoint.async_save,
+            device,
             die_while_saving=self._chaos.die_while_saving(),
-        )  # fmt: skip
+        )
         timings["model_build_s"] = time.perf_counter() - t1
         # Reported in the `model_built` event (what building the model cost in host memory).
         peak_rss = host_memory()["host_rss_peak_bytes"]
@@ -332,8 +341,11 @@ class RankWorker:
         self.stop(grace_s)
         # A save runs in threads of its own, so it finishes even when the loop is stuck.
         if self.checkpointer is not None and not self.checkpointer.wait(save_grace_s):
-            log.warning("rank %s: a checkpoint save still in flight after %.0fs",
-                        self.spec.rank if self.spec else "?", save_grace_s)  # fmt: skip
+            log.warning(
+                "rank %s: a checkpoint save still in flight after %.0fs",
+                self.spec.rank if self.spec else "?",
+                save_grace_s,
+            )
         if self._training is not None and not self._training.done():
             # Blocked in a collective with a dead or hung peer: abort the communicators (NCCL's
             # ncclCommAbort; the emulated backend's equivalent), which makes the collective
@@ -342,12 +354,19 @@ class RankWorker:
             abort_process_groups()
             wait([self._training], timeout=grace_s)
             if not self._training.done():
-                log.warning("rank %s: training thread still busy %.1fs after aborting its "
-                            "groups; not reusable. It is at:\n%s",
-                            self.spec.rank if self.spec else "?", grace_s, where)  # fmt: skip
+                log.warning(
+                    "rank %s: training thread still busy %.1fs after aborting its "
+                    "groups; not reusable. It is at:\n%s",
+                    self.spec.rank if self.spec else "?",
+                    grace_s,
+                    where,
+                )
                 return False
-            log.info("rank %s: aborted its process groups; the training thread returned from:"
-                     "\n%s", self.spec.rank if self.spec else "?", where)  # fmt: skip
+            log.info(
+                "rank %s: aborted its process groups; the training thread returned from:\n%s",
+                self.spec.rank if self.spec else "?",
+                where,
+            )
         if self.notices is not None:
             self.notices.release_sigterm()
         self._torch_thread.submit(self._release_layout).result()

@@ -101,8 +101,15 @@ class FakeRankGroup:
         self.consumed = spec.data.consumed_samples
         self.global_batch = spec.layout.global_batch
         self.hung, self._stop_requested = False, False
-        return [{"process_group_s": 0.01, "model_build_s": 0.02, "checkpoint_load_s": 0.03,
-                 "data_start_s": 0.04} for _ in self.slots]  # fmt: skip
+        return [
+            {
+                "process_group_s": 0.01,
+                "model_build_s": 0.02,
+                "checkpoint_load_s": 0.03,
+                "data_start_s": 0.04,
+            }
+            for _ in self.slots
+        ]
 
     def verify_checkpoint(
         self, uri: str, shares: list[dict[str, dict]], timeout_s: float | None = None
@@ -164,8 +171,10 @@ class FakeRankGroup:
         if self.step == self.end and running:
             for slot in self.slots:
                 slot.state = "done"
-        return [RankStatus(r, s.state, reports[r], s.error, s.notice, s.node_id)
-                for r, s in enumerate(self.slots)]  # fmt: skip
+        return [
+            RankStatus(r, s.state, reports[r], s.error, s.notice, s.node_id)
+            for r, s in enumerate(self.slots)
+        ]
 
     # --- what a test scripts -----------------------------------------------------------------
     def kill_node(self, node: str) -> None:
@@ -192,10 +201,22 @@ class FakeRankGroup:
     def _step_report(self, rank: int) -> StepReport:
         metrics = None
         if rank == 0:
-            metrics = StepMetrics(loss=1.0, lr=1e-3, grad_norm=1.0, step_time_s=0.01,
-                                  data_wait_s=0.0, tokens_per_s=100.0)  # fmt: skip
-        return StepReport(self.step, self.consumed, finished_at=time.time(),
-                          mem_allocated_bytes=1, mem_peak_bytes=1, metrics=metrics)  # fmt: skip
+            metrics = StepMetrics(
+                loss=1.0,
+                lr=1e-3,
+                grad_norm=1.0,
+                step_time_s=0.01,
+                data_wait_s=0.0,
+                tokens_per_s=100.0,
+            )
+        return StepReport(
+            self.step,
+            self.consumed,
+            finished_at=time.time(),
+            mem_allocated_bytes=1,
+            mem_peak_bytes=1,
+            metrics=metrics,
+        )
 
     def _save(self, reports: list[list[RankReport]]) -> None:
         step_dir = self.checkpoint_root / f"step_{self.step}"

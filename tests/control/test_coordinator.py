@@ -35,10 +35,17 @@ def start(tmp_path):
     """A coordinator begun on `nodes` of a fake cluster, with extra config overrides."""
 
     def make(nodes=("a", "b"), *overrides: str):
-        cfg = load_config(REPO / "conf" / "test.yaml", [
-            f"run.dir={tmp_path / 'run'}", "cluster.num_ranks=null", "trainer.steps=12",
-            "checkpoint.every_steps=4", "elastic.spot_notice_url=null", *overrides,
-        ])  # fmt: skip
+        cfg = load_config(
+            REPO / "conf" / "test.yaml",
+            [
+                f"run.dir={tmp_path / 'run'}",
+                "cluster.num_ranks=null",
+                "trainer.steps=12",
+                "checkpoint.every_steps=4",
+                "elastic.spot_notice_url=null",
+                *overrides,
+            ],
+        )
         coordinator = Coordinator(cfg, show_progress=False)
         coordinator.run_dir.mkdir(parents=True)
         coordinator.dataset = None  # only handed through to the (fake) ranks
@@ -136,8 +143,9 @@ def test_below_min_nodes_waits_then_starts_actors_on_a_new_node(start):
     """Survivors too few to train (elastic.min_nodes) wait; a node that joins meanwhile gets
     its actors started at once (not deferred as after a failure that could re-form), and the
     group forms on it and the survivors."""
-    coordinator, cluster, group = start(("a", "b"), "elastic.min_nodes=2",
-                                        "elastic.grow_stable_s=0")  # fmt: skip
+    coordinator, cluster, group = start(
+        ("a", "b"), "elastic.min_nodes=2", "elastic.grow_stable_s=0"
+    )
     advance_until(coordinator, Running)
     train_to(coordinator, 5)
     cluster.node_ids.remove("b")

@@ -48,8 +48,14 @@ def test_cuda_bf16_tracks_the_fp32_reference(pool, cfg, reference):
 
 @_needs(2)
 def test_cuda_async_save_stages_through_pinned_memory(pool, cfg, reference, tmp_path):
-    result = pool.run(cfg, LAYOUTS["fsdp2-full"], STEPS, device="cuda",
-                      async_save_dir=str(tmp_path / "ckpt"), async_save_after=3)  # fmt: skip
+    result = pool.run(
+        cfg,
+        LAYOUTS["fsdp2-full"],
+        STEPS,
+        device="cuda",
+        async_save_dir=str(tmp_path / "ckpt"),
+        async_save_after=3,
+    )
     assert result.staged_pinned is True
 
 

@@ -48,11 +48,23 @@ def test_emulated_run_equals_cpu_run(pool, cfg, reference, name):
 def test_async_save_stages_through_pinned_memory_and_resumes(pool, cfg, reference, tmp_path):
     """An async save after step 3 (copied into pinned host buffers while steps 4-5 train), then
     a fresh layout that loads it and trains steps 4-5 again: the reference's losses."""
-    first = pool.run(cfg, LAYOUTS["fsdp2-full"], STEPS, device="emulated",
-                     async_save_dir=str(tmp_path / "ckpt"), async_save_after=3)  # fmt: skip
+    first = pool.run(
+        cfg,
+        LAYOUTS["fsdp2-full"],
+        STEPS,
+        device="emulated",
+        async_save_dir=str(tmp_path / "ckpt"),
+        async_save_after=3,
+    )
     assert first.staged_pinned is True
-    second = pool.run(cfg, LAYOUTS["hsdp-2x2"], 2, device="emulated",
-                      load_dir=str(tmp_path / "ckpt"), start_step=3)  # fmt: skip
+    second = pool.run(
+        cfg,
+        LAYOUTS["hsdp-2x2"],
+        2,
+        device="emulated",
+        load_dir=str(tmp_path / "ckpt"),
+        start_step=3,
+    )
     assert first.losses == pytest.approx(reference[0], abs=1e-5)
     assert second.losses == pytest.approx(reference[0][3:], abs=1e-5)
     for key, value in reference[1].items():

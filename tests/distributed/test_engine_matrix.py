@@ -173,9 +173,13 @@ def test_checkpoint_moves_between_pipeline_layouts(pool, cfg, reference, tmp_pat
     ref_losses, ref_params = reference
     first = pool.run(cfg, LAYOUTS[saved], 3, checkpoint_dir=str(tmp_path / "a"))
     second = pool.run(
-        cfg, LAYOUTS[loaded], 2, load_dir=str(tmp_path / "a"), start_step=3,
+        cfg,
+        LAYOUTS[loaded],
+        2,
+        load_dir=str(tmp_path / "a"),
+        start_step=3,
         checkpoint_dir=str(tmp_path / "b"),
-    )  # fmt: skip
+    )
     assert first.checkpoint_keys == second.checkpoint_keys
     assert any(k.startswith("optim.state.layers.3.") for k in first.checkpoint_keys)
     assert first.losses + second.losses == pytest.approx(ref_losses, abs=1e-5)
@@ -198,8 +202,9 @@ def test_checkpoint_moves_between_pipeline_layouts(pool, cfg, reference, tmp_pat
     ],
     ids=["pp2xdp2-to-dp2", "dp2-to-pp2", "dp2+ac-to-dp2", "pp2+ac-to-dp2"],
 )
-def test_deepspeed_checkpoint_moves_across_pipeline_split(pool, cfg, reference, tmp_path, saved,
-                                                          loaded):  # fmt: skip
+def test_deepspeed_checkpoint_moves_across_pipeline_split(
+    pool, cfg, reference, tmp_path, saved, loaded
+):
     """DeepSpeed's own checkpoint, 3 steps in one layout and the last 2 in another (pipeline
     split and DP size changed: the universal conversion, stage by stage; or activation
     checkpointing dropped): still the reference. Every stage's files name parameters as the

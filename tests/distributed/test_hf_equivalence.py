@@ -84,8 +84,14 @@ def test_hf_llama_layout_equals_single_process(pool, cfg, reference, name):
 def test_hf_checkpoint_saved_under_tp2_continues_under_fsdp2(pool, cfg, reference, tmp_path):
     ref_losses, ref_params = reference
     first = pool.run(cfg, LAYOUTS["tp2"], 3, checkpoint_dir=str(tmp_path / "a"))
-    second = pool.run(cfg, LAYOUTS["fsdp2-full"], 2, load_dir=str(tmp_path / "a"), start_step=3,
-                      checkpoint_dir=str(tmp_path / "b"))  # fmt: skip
+    second = pool.run(
+        cfg,
+        LAYOUTS["fsdp2-full"],
+        2,
+        load_dir=str(tmp_path / "a"),
+        start_step=3,
+        checkpoint_dir=str(tmp_path / "b"),
+    )
     assert first.checkpoint_keys == second.checkpoint_keys
     assert first.losses + second.losses == pytest.approx(ref_losses, abs=1e-5)
     _assert_params_equal(second.params, ref_params)

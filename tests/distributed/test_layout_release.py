@@ -53,8 +53,13 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
     layout = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 1)
 
     def build_and_step() -> list:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=2, timeout=datetime.timedelta(seconds=60))  # fmt: skip
+        dist.init_process_group(
+            "gloo",
+            init_method=f"tcp://127.0.0.1:{port}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=60),
+        )
         mesh = build_mesh(layout.dims, "cpu")
         worker.engine = build_engine(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
         tokens = torch.randint(0, 256, (2, cfg.data.seq_len))  # any ids the vocabulary has
@@ -73,8 +78,10 @@ def test_release_frees_the_layouts_process_groups(token_data, tmp_path):
 
     from raytrain_dt.config import load_config
 
-    cfg = load_config(REPO / "conf" / "test.yaml",
-                      [f"data.path={token_data}", f"run.dir={tmp_path}", "model.n_layers=2"])  # fmt: skip
+    cfg = load_config(
+        REPO / "conf" / "test.yaml",
+        [f"data.path={token_data}", f"run.dir={tmp_path}", "model.n_layers=2"],
+    )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()

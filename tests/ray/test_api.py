@@ -26,8 +26,12 @@ STEPS = 2
 def _overrides(tmp_path: Path, name: str) -> list[str]:
     # Only the API run saves (its Result names the checkpoint); the others need only losses.
     every = STEPS if name == "api" else 0
-    return [f"run.dir={tmp_path / name}", f"trainer.steps={STEPS}",
-            f"checkpoint.every_steps={every}", f"data.cache_dir={tmp_path / 'cache'}"]  # fmt: skip
+    return [
+        f"run.dir={tmp_path / name}",
+        f"trainer.steps={STEPS}",
+        f"checkpoint.every_steps={every}",
+        f"data.cache_dir={tmp_path / 'cache'}",
+    ]
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -43,8 +47,9 @@ def test_python_api_cli_and_job_train_the_same(ray_cluster, user_docs, tmp_path,
     jsonl = str(user_docs / "docs.jsonl")
     api_overrides = _overrides(tmp_path, "api")
     spec = model_spec(load_config(recipe, api_overrides))
-    result = Trainer(recipe, api_overrides, model=spec, dataset=ray.data.read_json(jsonl),
-                     show_progress=False).fit()  # fmt: skip
+    result = Trainer(
+        recipe, api_overrides, model=spec, dataset=ray.data.read_json(jsonl), show_progress=False
+    ).fit()
     assert isinstance(result, Result)
     assert result.final_step == STEPS and result.metrics["step"] == STEPS
     assert result.checkpoint is not None and Path(result.checkpoint, "commit.json").is_file()

@@ -75,13 +75,20 @@ def test_failing_write_fails_the_save_not_the_run(make_config, tmp_path):
 
 
 def test_rank_killed_mid_save_never_commits_and_resume_continues_exactly(make_config):
-    cfg = make_config("trainer.steps=6", "checkpoint.every_steps=2", "engine.zero_stage=3",
-                      "chaos=[{at_step: 4, action: kill_rank_mid_save, target: 1}]")  # fmt: skip
+    cfg = make_config(
+        "trainer.steps=6",
+        "checkpoint.every_steps=2",
+        "engine.zero_stage=3",
+        "chaos=[{at_step: 4, action: kill_rank_mid_save, target: 1}]",
+    )
     result = train(cfg, show_progress=False)
     assert result.final_step == 6
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
-    timeline = [(e["event"], e.get("step", e.get("resumed_step"))) for e in events
-                if e["event"] in ("checkpoint", "failure", "resize")]  # fmt: skip
+    timeline = [
+        (e["event"], e.get("step", e.get("resumed_step")))
+        for e in events
+        if e["event"] in ("checkpoint", "failure", "resize")
+    ]
     # Step 4's save lost a rank half-way: it was never committed, the run resumed from step 2
     # and committed step 4 only once re-trained.
     failure_at = next(i for i, (kind, _) in enumerate(timeline) if kind == "failure")

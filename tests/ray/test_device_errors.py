@@ -17,8 +17,9 @@ def test_cuda_without_gpus_is_one_line(ray_cluster, capsys, tmp_path):
     assert not list((tmp_path / "r").glob("checkpoints/*"))
 
 
-def test_emulated_device_that_cannot_be_built_is_one_line(ray_cluster, capsys, tmp_path,
-                                                          monkeypatch):  # fmt: skip
+def test_emulated_device_that_cannot_be_built_is_one_line(
+    ray_cluster, capsys, tmp_path, monkeypatch
+):
     # A machine without a working C++ compiler: the build is attempted afresh and fails.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
     monkeypatch.setenv("CXX", "/bin/false")
@@ -26,8 +27,9 @@ def test_emulated_device_that_cannot_be_built_is_one_line(ray_cluster, capsys, t
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2
     assert len(err) == 1
-    assert err[0].startswith("error: cluster.device=emulated: the emulated device could not be "
-                             "built (")  # fmt: skip
+    assert err[0].startswith(
+        "error: cluster.device=emulated: the emulated device could not be built ("
+    )
     assert err[0].endswith("run `make install` (or `python -m raytrain_dt.accel.emulated.build`)")
 
 

@@ -30,8 +30,12 @@ def _resizes(result) -> list[dict]:
 
 
 def test_hung_rank_is_detected_and_the_run_recovers(ray_cluster, make_config):
-    cfg = make_config("trainer.steps=6", "checkpoint.every_steps=2", "elastic.hang_timeout_s=8",
-                      "chaos=[{at_step: 4, action: hang_rank, target: 1}]")  # fmt: skip
+    cfg = make_config(
+        "trainer.steps=6",
+        "checkpoint.every_steps=2",
+        "elastic.hang_timeout_s=8",
+        "chaos=[{at_step: 4, action: hang_rank, target: 1}]",
+    )
     result = train(cfg, show_progress=False)
     assert result.final_step == 6
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
@@ -53,13 +57,17 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
     # steps here, more on a busier host, so the story needs more steps than its last at_step.
     steps = 60
     cfg = make_config(
-        f"trainer.steps={steps}", "checkpoint.every_steps=5", "cluster.num_ranks=null",
-        "engine.zero_stage=3", "chaos_step_delay_s=0.3", "elastic.grow_stable_s=0.5",
+        f"trainer.steps={steps}",
+        "checkpoint.every_steps=5",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.3",
+        "elastic.grow_stable_s=0.5",
         "chaos=[{at_step: 6, action: kill_rank, target: 1},"
         " {at_step: 12, action: kill_node, target: 3},"
         " {at_step: 18, action: add_node, target: 0},"
         " {at_step: 24, action: preempt_node, target: 3}]",
-    )  # fmt: skip
+    )
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
     # Six formations over 60 steps, each summing in another order (dp 4, 2, 4, 2, 4, 2 with
     # ZeRO-3): at lr 3e-3 that fp32 rounding grows to ~4e-4 in the loss by the last layouts.
@@ -67,8 +75,10 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
     metrics = check_run_matches_reference(cfg, result, steps, atol=1e-3)
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
     resizes = _resizes(result)
-    sizes = [(r["old_layout"]["dims"]["world_size"], r["new_layout"]["dims"]["world_size"])
-             for r in resizes]  # fmt: skip
+    sizes = [
+        (r["old_layout"]["dims"]["world_size"], r["new_layout"]["dims"]["world_size"])
+        for r in resizes
+    ]
     # The rank death re-forms at once on (some of) the three survivors, as planned for them,
     # and grows back to 4 as the replacements start: at once, or through 3 ranks (an uneven
     # batch) when one is warm before the other.
@@ -101,13 +111,17 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
     assert failures[0]["step"] == 5 and failures[1]["step"] >= 12
     node_loss = resizes[lost]
     assert [(r["resumed_step"], r["lost_steps"]) for r in (resizes[0], node_loss)] == [
-        (5, 0), (committed_before(failures[1]), failures[1]["step"] - node_loss["resumed_step"])]  # fmt: skip
+        (5, 0),
+        (committed_before(failures[1]), failures[1]["step"] - node_loss["resumed_step"]),
+    ]
     assert node_loss["resumed_step"] >= 10
     notice = next(e for e in events if e["event"] == "preemption_notice")
     assert resizes[-1]["resumed_step"] >= notice["step"] >= 24
     # Grown back after the rank death: both nodes; after the node loss: one; grown after the
     # arrival: two; after the preemption: one.
-    node_counts = [len(set(r["node_ids"])) for r in (resizes[regrown], node_loss, resizes[-2], resizes[-1])]  # fmt: skip
+    node_counts = [
+        len(set(r["node_ids"])) for r in (resizes[regrown], node_loss, resizes[-2], resizes[-1])
+    ]
     assert node_counts == [2, 1, 2, 1]
     # Each layout trained from its resume point on (every step after it at the new size),
     # unless the next fault rewound every step it trained (a fault in its first steps).
@@ -155,8 +169,11 @@ def _when_step(run_dir: Path, step: int, action) -> threading.Thread:
     def wait_then_act():
         deadline = time.time() + 240
         while time.time() < deadline:
-            lines = (run_dir / "metrics.jsonl").read_text().splitlines() if (
-                run_dir / "metrics.jsonl").exists() else []  # fmt: skip
+            lines = (
+                (run_dir / "metrics.jsonl").read_text().splitlines()
+                if (run_dir / "metrics.jsonl").exists()
+                else []
+            )
             if len(lines) >= step:
                 action()
                 return
@@ -176,11 +193,14 @@ def test_real_preemption_notices_lose_no_step(restore_nodes, make_config, source
     steps = 8
     cfg = make_config(
         # The only periodic checkpoint is the last: the resize resumes from the just-in-time one.
-        f"trainer.steps={steps}", f"checkpoint.every_steps={steps}", "cluster.num_ranks=null",
-        "engine.zero_stage=3", "chaos_step_delay_s=0.4",
+        f"trainer.steps={steps}",
+        f"checkpoint.every_steps={steps}",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.4",
         f"elastic.spot_notice_url=http://127.0.0.1:{server.server_address[1]}"
         "/{node_id}/latest/meta-data/spot/instance-action",
-    )  # fmt: skip
+    )
     run_dir = Path(cfg.run.dir)
     target: dict = {}
 
@@ -193,12 +213,18 @@ def test_real_preemption_notices_lose_no_step(restore_nodes, make_config, source
             server.armed = target["node"]
         else:
             drain = subprocess.run(
-                [str(Path(sys.executable).parent / "ray"), "drain-node",
-                 f"--address={restore_nodes.address}", f"--node-id={target['node']}",
-                 "--reason=DRAIN_NODE_REASON_PREEMPTION", "--reason-message=test",
-                 "--deadline-remaining-seconds=120"],
-                capture_output=True, text=True,
-            )  # fmt: skip
+                [
+                    str(Path(sys.executable).parent / "ray"),
+                    "drain-node",
+                    f"--address={restore_nodes.address}",
+                    f"--node-id={target['node']}",
+                    "--reason=DRAIN_NODE_REASON_PREEMPTION",
+                    "--reason-message=test",
+                    "--deadline-remaining-seconds=120",
+                ],
+                capture_output=True,
+                text=True,
+            )
             target["drain"] = drain
 
     watcher = _when_step(run_dir, 2, notify)

@@ -20,9 +20,12 @@ from raytrain_dt.observe.metrics import read_jsonl
 def test_rank_death_on_the_emulated_accelerator_reuses_every_survivor(restore_nodes, make_config):
     steps = 10
     cfg = make_config(
-        "cluster.device=emulated", f"trainer.steps={steps}", "checkpoint.every_steps=3",
-        "cluster.num_ranks=null", "chaos=[{at_step: 5, action: kill_rank, target: 1}]",
-    )  # fmt: skip
+        "cluster.device=emulated",
+        f"trainer.steps={steps}",
+        "checkpoint.every_steps=3",
+        "cluster.num_ranks=null",
+        "chaos=[{at_step: 5, action: kill_rank, target: 1}]",
+    )
     result = train(cfg, show_progress=False)
     assert result.final_step == steps
 

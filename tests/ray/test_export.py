@@ -25,8 +25,15 @@ pytestmark = pytest.mark.usefixtures("ray_cluster")
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, token_data):
     run_dir = tmp_path_factory.mktemp("export") / "run"
-    cfg = load_config("conf/test.yaml", [f"data.path={token_data}", f"run.dir={run_dir}",
-                                         "trainer.steps=2", "checkpoint.every_steps=2"])  # fmt: skip
+    cfg = load_config(
+        "conf/test.yaml",
+        [
+            f"data.path={token_data}",
+            f"run.dir={run_dir}",
+            "trainer.steps=2",
+            "checkpoint.every_steps=2",
+        ],
+    )
     result = train(cfg, show_progress=False)
     return cfg, result
 
@@ -84,9 +91,14 @@ def test_ckpt_ls_and_inspect_report_a_committed_intact_checkpoint(trained, capsy
     assert state["tensors"] == {k: list(v.shape) for k, v in model.state_dict().items()}
     assert f"model tensors: {len(model.state_dict())}" in report
     assert state["lr_scheduler"]["next_lr"] == pytest.approx(
-        lr_at(2, lr=cfg.trainer.lr, warmup_steps=cfg.trainer.warmup_steps,
-              total_steps=cfg.trainer.steps, min_lr_ratio=cfg.trainer.min_lr_ratio)
-    )  # fmt: skip
+        lr_at(
+            2,
+            lr=cfg.trainer.lr,
+            warmup_steps=cfg.trainer.warmup_steps,
+            total_steps=cfg.trainer.steps,
+            min_lr_ratio=cfg.trainer.min_lr_ratio,
+        )
+    )
     assert "lr scheduler: kind=warmup_cosine" in report
     assert (
         state["versions"]["torch"] == torch.__version__ and f"torch {torch.__version__}" in report
@@ -108,8 +120,10 @@ def test_bad_checkpoint_paths_are_one_line_and_create_nothing(tmp_path, capsys):
     empty.mkdir()
     for path, why in ((missing, "does not exist"), (empty, "holds no checkpoint")):
         out, dst = tmp_path / f"hf_{path.name}", tmp_path / f"dst_{path.name}"
-        for argv in (["ckpt", "consolidate", str(path), "--out", str(out)],
-                     ["ckpt", "convert", str(path), str(dst), "--to", "deepspeed"]):  # fmt: skip
+        for argv in (
+            ["ckpt", "consolidate", str(path), "--out", str(out)],
+            ["ckpt", "convert", str(path), str(dst), "--to", "deepspeed"],
+        ):
             assert main(argv) == 2
             assert capsys.readouterr().err.strip() == f"error: {path}: {why}"
         assert not out.exists() and not dst.exists()
@@ -118,7 +132,9 @@ def test_bad_checkpoint_paths_are_one_line_and_create_nothing(tmp_path, capsys):
 def _shapes(cfg, *overrides: str) -> dict[str, tuple]:
     shape = model_shape(load_config("conf/test.yaml", [f"data.path={cfg.data.path}", *overrides]))
     with torch.device("meta"):
-        return {k: tuple(v.shape) for k, v in LlamaDecoder(shape, cfg.data.seq_len).state_dict().items()}  # fmt: skip
+        return {
+            k: tuple(v.shape) for k, v in LlamaDecoder(shape, cfg.data.seq_len).state_dict().items()
+        }
 
 
 def _differing(cfg, other: str) -> dict[str, tuple]:
@@ -133,8 +149,13 @@ def test_resuming_into_another_model_shape_is_one_error_before_anything_starts(t
     run_dir = Path(result.run_dir)
     before = {p: p.read_bytes() for p in (run_dir / "events.jsonl", run_dir / "config.yaml")}
     steps = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
-    argv = ["train", "conf/test.yaml", f"data.path={cfg.data.path}", f"run.dir={run_dir}",
-            "model.ffn_hidden=128"]  # fmt: skip
+    argv = [
+        "train",
+        "conf/test.yaml",
+        f"data.path={cfg.data.path}",
+        f"run.dir={run_dir}",
+        "model.ffn_hidden=128",
+    ]
     assert main(argv) == 2
     (error,) = capsys.readouterr().err.strip().splitlines()
     differing = _differing(cfg, "model.ffn_hidden=128")

@@ -33,9 +33,17 @@ def _finetune_main():
 @pytest.fixture(scope="module")
 def consolidated(tmp_path_factory, token_data):
     root = tmp_path_factory.mktemp("finetune")
-    cfg = load_config("conf/test.yaml", [f"data.path={token_data}", f"run.dir={root / 'src'}",
-                                         "trainer.steps=2", "trainer.warmup_steps=1",
-                                         "checkpoint.every_steps=2", *SOURCE_SHAPE])  # fmt: skip
+    cfg = load_config(
+        "conf/test.yaml",
+        [
+            f"data.path={token_data}",
+            f"run.dir={root / 'src'}",
+            "trainer.steps=2",
+            "trainer.warmup_steps=1",
+            "checkpoint.every_steps=2",
+            *SOURCE_SHAPE,
+        ],
+    )
     result = train(cfg, show_progress=False)
     assert main(["ckpt", "consolidate", result.run_dir, "--out", str(root / "hf")]) == 0
     return cfg, result.latest_checkpoint, root / "hf"
@@ -49,8 +57,14 @@ def _loss(model: torch.nn.Module, tokens: torch.Tensor) -> float:
 def test_finetune_starts_from_the_consolidated_weights(consolidated, token_data, tmp_path):
     source_cfg, checkpoint, hf_dir = consolidated
     run_dir = tmp_path / "ft"
-    argv = [str(hf_dir), "conf/test.yaml", f"data.path={token_data}", f"run.dir={run_dir}",
-            "trainer.steps=1", "trainer.warmup_steps=0"]  # fmt: skip
+    argv = [
+        str(hf_dir),
+        "conf/test.yaml",
+        f"data.path={token_data}",
+        f"run.dir={run_dir}",
+        "trainer.steps=1",
+        "trainer.warmup_steps=0",
+    ]
     assert _finetune_main()(argv) == 0
 
     ft_cfg = load_config(run_dir / "config.yaml")
@@ -72,10 +86,17 @@ def test_a_contradicting_shape_is_one_line_before_anything_starts(
     consolidated, token_data, tmp_path, capsys
 ):
     _, _, hf_dir = consolidated
-    argv = [str(hf_dir), "conf/test.yaml", f"data.path={token_data}", f"run.dir={tmp_path / 'x'}",
-            "model.n_layers=3"]  # fmt: skip
+    argv = [
+        str(hf_dir),
+        "conf/test.yaml",
+        f"data.path={token_data}",
+        f"run.dir={tmp_path / 'x'}",
+        "model.n_layers=3",
+    ]
     assert _finetune_main()(argv) == 2
     err = capsys.readouterr().err.strip()
-    assert err == (f"error: model.init_from: {hf_dir} has num_hidden_layers=2 but the configured "
-                   "model has 3 (model.n_layers)")  # fmt: skip
+    assert err == (
+        f"error: model.init_from: {hf_dir} has num_hidden_layers=2 but the configured "
+        "model has 3 (model.n_layers)"
+    )
     assert not (tmp_path / "x").exists()

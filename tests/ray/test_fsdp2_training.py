@@ -55,9 +55,12 @@ def test_three_ranks_split_an_uneven_batch_like_one_process(make_config):
     padded) rather than idle one for dp=2, and the run is still the single-process one: same
     losses and weights, and the ledger (real rows only) holds each step's batch exactly once."""
     cfg = make_config(
-        "trainer.global_batch=16", "trainer.grad_accum=2", "cluster.num_ranks=3",
-        "checkpoint.every_steps=5", "engine.zero_stage=3",
-    )  # fmt: skip
+        "trainer.global_batch=16",
+        "trainer.grad_accum=2",
+        "cluster.num_ranks=3",
+        "checkpoint.every_steps=5",
+        "engine.zero_stage=3",
+    )
     result = train(cfg, show_progress=False)
     layout = result.layout
     assert (layout.dims.dp, layout.global_batch, layout.padded_slots) == (3, 16, 2)

@@ -123,8 +123,13 @@ def _job_status(address: str, env: dict, job_id: str) -> str:
 
 def test_ray_job_submit_trains_and_writes_the_run_dir(head_node, token_data, tmp_path):
     run_dir = tmp_path / "job_run"
-    job_id = _submit(head_node, f"data.path={token_data}", f"run.dir={run_dir}",
-                     "trainer.steps=4", "checkpoint.every_steps=2")  # fmt: skip
+    job_id = _submit(
+        head_node,
+        f"data.path={token_data}",
+        f"run.dir={run_dir}",
+        "trainer.steps=4",
+        "checkpoint.every_steps=2",
+    )
     status, logs = _wait_for_job(head_node, job_id)
     assert status == "SUCCEEDED", logs[-3000:]
     metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -138,16 +143,32 @@ def _submit(head_node, *overrides: str) -> str:
     """`ray job submit --no-wait` of jobs/pretrain.py on the test recipe; the job's id."""
     address, env, _ = head_node
     job_id = f"rtdt-{secrets.token_hex(4)}"
-    runtime_env = json.dumps({
-        "excludes": [".venv", "runs", "data", ".git"],
-        # `ray job stop` gives the driver this long after SIGTERM to checkpoint (default 3 s).
-        "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"},
-    })  # fmt: skip
+    runtime_env = json.dumps(
+        {
+            "excludes": [".venv", "runs", "data", ".git"],
+            # `ray job stop` gives the driver this long after SIGTERM to checkpoint (default 3 s).
+            "env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "60"},
+        }
+    )
     command = [
-        RAY, "job", "submit", "--address", address, "--submission-id", job_id, "--no-wait",
-        "--working-dir", str(REPO), "--runtime-env-json", runtime_env, "--",
-        sys.executable, "jobs/pretrain.py", "conf/test.yaml", *overrides,
-    ]  # fmt: skip
+        RAY,
+        "job",
+        "submit",
+        "--address",
+        address,
+        "--submission-id",
+        job_id,
+        "--no-wait",
+        "--working-dir",
+        str(REPO),
+        "--runtime-env-json",
+        runtime_env,
+        "--",
+        sys.executable,
+        "jobs/pretrain.py",
+        "conf/test.yaml",
+        *overrides,
+    ]
     # The dashboard answers before its job agent has registered; Ray says to try again.
     deadline = time.time() + 60
     while True:
@@ -205,12 +226,21 @@ def test_stopped_job_checkpoints_and_its_resubmission_loses_no_step(
     same job submitted again resumes there and finishes, every sample trained exactly once."""
     address, env, _ = head_node
     run_dir = tmp_path / "run"
-    overrides = [f"data.path={token_data}", f"run.dir={run_dir}", "trainer.steps=150",
-                 "checkpoint.every_steps=0"]  # fmt: skip
+    overrides = [
+        f"data.path={token_data}",
+        f"run.dir={run_dir}",
+        "trainer.steps=150",
+        "checkpoint.every_steps=0",
+    ]
     job_id = _submit(head_node, *overrides)  # long enough (~0.1 s a step) to be stopped midway
     _wait_for_steps(run_dir, 3)
-    stop = subprocess.run([RAY, "job", "stop", "--address", address, job_id], env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    stop = subprocess.run(
+        [RAY, "job", "stop", "--address", address, job_id],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert stop.returncode == 0, stop.stderr
     status, logs = _wait_for_job(head_node, job_id)
     assert status == "STOPPED", logs[-3000:]
@@ -233,12 +263,25 @@ def test_killed_driver_resumes_from_the_latest_checkpoint(head_node, token_data,
     committed checkpoint and finishes with the ledger exact."""
     _, env, gcs = head_node
     run_dir = tmp_path / "run"
-    overrides = [f"data.path={token_data}", f"run.dir={run_dir}", "trainer.steps=100",
-                 "checkpoint.every_steps=3"]  # fmt: skip
-    command = [sys.executable, "-m", "raytrain_dt.cli", "train", "conf/test.yaml", *overrides,
-               "--address", gcs]  # fmt: skip
-    driver = subprocess.Popen(command, cwd=REPO, env=env, stdout=subprocess.DEVNULL,
-                              stderr=subprocess.DEVNULL)  # fmt: skip
+    overrides = [
+        f"data.path={token_data}",
+        f"run.dir={run_dir}",
+        "trainer.steps=100",
+        "checkpoint.every_steps=3",
+    ]
+    command = [
+        sys.executable,
+        "-m",
+        "raytrain_dt.cli",
+        "train",
+        "conf/test.yaml",
+        *overrides,
+        "--address",
+        gcs,
+    ]
+    driver = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     try:
         deadline = time.time() + 180
         while not (run_dir / "checkpoints" / "step_3" / "commit.json").exists():

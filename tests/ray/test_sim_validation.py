@@ -23,12 +23,18 @@ KILL_STEP, ADD_STEP = 6, 8
 
 def _real_run(make_config, cluster, run_dir):
     # Steps enough after the arrival for its actors to start on a busy machine (5-10 s).
-    cfg = make_config("trainer.steps=40", "checkpoint.every_steps=4", "cluster.num_ranks=null",
-                      "engine.zero_stage=3", "chaos_step_delay_s=0.3", "elastic.grow_stable_s=1",
-                      "elastic.hang_timeout_s=300",  # a slow start on a busy machine is no hang
-                      f"chaos=[{{at_step: {KILL_STEP}, action: kill_node, target: 3}}, "
-                      f"{{at_step: {ADD_STEP}, action: add_node}}]",
-                      run_dir=run_dir)  # fmt: skip
+    cfg = make_config(
+        "trainer.steps=40",
+        "checkpoint.every_steps=4",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.3",
+        "elastic.grow_stable_s=1",
+        "elastic.hang_timeout_s=300",  # a slow start on a busy machine is no hang
+        f"chaos=[{{at_step: {KILL_STEP}, action: kill_node, target: 3}}, "
+        f"{{at_step: {ADD_STEP}, action: add_node}}]",
+        run_dir=run_dir,
+    )
     nodes = alive_nodes(SIMULATED_ACCELERATOR)
     result = train(cfg, simulated_cluster=cluster, show_progress=False)
     assert result.final_step == cfg.trainer.steps
@@ -40,8 +46,11 @@ def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_pa
         cfg, nodes, result, events = _real_run(
             make_config, restore_nodes, tmp_path / f"run{attempt}"
         )
-        worlds = [e["new_layout"]["dims"]["world_size"] for e in events
-                  if e["event"] in ("start", "resize")]  # fmt: skip
+        worlds = [
+            e["new_layout"]["dims"]["world_size"]
+            for e in events
+            if e["event"] in ("start", "resize")
+        ]
         # A survivor still blocked in a collective with a failed (but living) peer when the
         # teardown's grace ends is replaced, not reused. The node loss then leaves one rank,
         # an outcome of the moment the node died that the simulator does not model (see
@@ -53,8 +62,12 @@ def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_pa
     costs = costs_from_run(result.run_dir, add_step=ADD_STEP)
     planner = SimPlanner(cfg, resource=SIMULATED_ACCELERATOR, node_memory_bytes=memory)
     setup = Setup(planner, costs, cfg.cluster.accelerators_per_node, len(nodes), cfg.elastic)
-    sim = setup.run("ours", StepTrace.from_chaos(len(nodes), cfg.chaos),
-                    cfg.checkpoint.every_steps, total_steps=cfg.trainer.steps)  # fmt: skip
+    sim = setup.run(
+        "ours",
+        StepTrace.from_chaos(len(nodes), cfg.chaos),
+        cfg.checkpoint.every_steps,
+        total_steps=cfg.trainer.steps,
+    )
 
     # The decisions: the same layouts, in the same order (4 ranks, 2 after the loss, 4 again).
     assert [f["layout"] for f in sim.formations] == real_layouts

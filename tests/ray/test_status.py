@@ -52,8 +52,12 @@ def test_status_follows_a_running_job(ray_cluster, make_config, monkeypatch, cap
     assert final["last_event"] == [e for e in events if e["event"] in status.NOTABLE][-1]
 
     cli = Path(sys.executable).parent / "raytrain-dt"
-    out = subprocess.run([str(cli), "status", "--address", ray_cluster.address, str(run_dir)],
-                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = subprocess.run(
+        [str(cli), "status", "--address", ray_cluster.address, str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert "finished" in out.stdout and f"{cfg.trainer.steps}/{cfg.trainer.steps}" in out.stdout
     assert final["layout"] in out.stdout and f"{final['loss']:.4f}" in out.stdout

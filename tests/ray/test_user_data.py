@@ -69,8 +69,15 @@ def test_every_format_packs_the_samples_prepare_data_writes(user_docs, tmp_path)
 
 
 def test_missing_text_column_is_one_line(user_docs, tmp_path, capsys):
-    code = main(["train", "conf/test.yaml", f"run.dir={tmp_path / 'run'}",
-                 f"data.source={user_docs / 'docs.jsonl'}", "data.text_column=body"])  # fmt: skip
+    code = main(
+        [
+            "train",
+            "conf/test.yaml",
+            f"run.dir={tmp_path / 'run'}",
+            f"data.source={user_docs / 'docs.jsonl'}",
+            "data.text_column=body",
+        ]
+    )
     assert code == 2
     err = capsys.readouterr().err.strip()
     assert err == (
@@ -83,9 +90,15 @@ def test_jsonl_samples_are_seen_exactly_once_across_a_lost_node(
     restore_nodes, make_config, user_docs
 ):
     steps = 8
-    cfg = make_config(f"data.source={user_docs / 'docs.jsonl'}", f"trainer.steps={steps}",
-                      "checkpoint.every_steps=3", "cluster.num_ranks=null", "engine.zero_stage=3",
-                      "chaos_step_delay_s=0.3", "chaos=[{at_step: 6, action: kill_node, target: 3}]")  # fmt: skip
+    cfg = make_config(
+        f"data.source={user_docs / 'docs.jsonl'}",
+        f"trainer.steps={steps}",
+        "checkpoint.every_steps=3",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.3",
+        "chaos=[{at_step: 6, action: kill_node, target: 3}]",
+    )
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
     (resize,) = [e for e in events if e["event"] == "resize"]

@@ -63,8 +63,9 @@ def test_rays_scheduler_takes_spot_first_and_the_floor_type_when_spot_is_full(co
         get_nodes_for,
     )
 
-    scorer = functools.partial(_default_utilization_scorer,
-                               node_availability_summary=NodeAvailabilitySummary({}))  # fmt: skip
+    scorer = functools.partial(
+        _default_utilization_scorer, node_availability_summary=NodeAvailabilitySummary({})
+    )
     types, head = config["available_node_types"], config["head_node_type"]
     one_node = [{"GPU": 8}]
     assert dict(get_nodes_for(types, {}, head, 1, one_node, scorer)[0]) == {"gpu-spot": 1}

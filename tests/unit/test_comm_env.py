@@ -37,12 +37,21 @@ def test_multi_node_leaves_the_interface_to_nccl_and_sets_the_chosen_fabric():
 
 
 def test_configured_tuning_and_env_overrides_win():
-    comm = _comm("comm.algo=Ring", "comm.proto=Simple", "comm.buffsize_bytes=8388608",
-                 "comm.blocking_wait=true", "comm.env.NCCL_SOCKET_IFNAME=eth1",
-                 "comm.env.TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "comm.env.NCCL_IB_TIMEOUT=22")  # fmt: skip
+    comm = _comm(
+        "comm.algo=Ring",
+        "comm.proto=Simple",
+        "comm.buffsize_bytes=8388608",
+        "comm.blocking_wait=true",
+        "comm.env.NCCL_SOCKET_IFNAME=eth1",
+        "comm.env.TORCH_NCCL_ASYNC_ERROR_HANDLING=1",
+        "comm.env.NCCL_IB_TIMEOUT=22",
+    )
     env = comm_env(comm, multi_node=False)
-    assert (env["NCCL_ALGO"], env["NCCL_PROTO"], env["NCCL_BUFFSIZE"]) == ("Ring", "Simple",
-                                                                           "8388608")  # fmt: skip
+    assert (env["NCCL_ALGO"], env["NCCL_PROTO"], env["NCCL_BUFFSIZE"]) == (
+        "Ring",
+        "Simple",
+        "8388608",
+    )
     assert env["TORCH_NCCL_BLOCKING_WAIT"] == "1"
     assert env["NCCL_SOCKET_IFNAME"] == "eth1"  # the env override beats the topology default
     assert env["GLOO_SOCKET_IFNAME"] == "lo"
@@ -90,8 +99,9 @@ def test_bad_env_name_names_the_key():
 
 
 def test_comm_env_merges_into_the_storage_runtime_env():
-    merged = with_comm_env({"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "INFO"}},
-                           {"NCCL_DEBUG": "WARN"})  # fmt: skip
+    merged = with_comm_env(
+        {"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "INFO"}}, {"NCCL_DEBUG": "WARN"}
+    )
     assert merged == {"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "WARN"}}
     assert with_comm_env(None, {"A": "1"}) == {"env_vars": {"A": "1"}}
 
@@ -108,8 +118,9 @@ def test_every_group_a_rank_creates_gets_the_collective_timeout(tmp_path, monkey
     for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
         monkeypatch.setattr(c10d, name, getattr(c10d, name))  # restored afterwards
     timeout = set_collective_timeout(load_config(RECIPE, ["comm.timeout_s=77"]).comm.timeout_s)
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0,
-                            world_size=1, timeout=timeout)  # fmt: skip
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1, timeout=timeout
+    )
     try:
         groups = [dist.new_group(backend="gloo"), dist.new_group(ranks=[0], backend="gloo")]
         seen = [g._get_backend(torch.device("cpu")).options._timeout for g in groups]

@@ -22,13 +22,19 @@ def test_committed_reference_is_up_to_date_with_the_schema():
 def test_every_schema_key_is_documented_with_its_default():
     text = render()
     for section in dataclasses.fields(schema.TrainConfig):
-        value = section.default_factory() if section.default_factory is not dataclasses.MISSING \
-            else None  # fmt: skip
+        value = (
+            section.default_factory()
+            if section.default_factory is not dataclasses.MISSING
+            else None
+        )
         if not dataclasses.is_dataclass(value):
             continue
         for f in dataclasses.fields(value):
-            row = next(line for line in text.splitlines()
-                       if line.startswith(f"| `{section.name}.{f.name}` |"))  # fmt: skip
+            row = next(
+                line
+                for line in text.splitlines()
+                if line.startswith(f"| `{section.name}.{f.name}` |")
+            )
             if f.default is None:
                 assert "| `null` |" in row
             elif isinstance(f.default, bool):

@@ -138,7 +138,8 @@ def test_deepspeed_plans_no_tp_and_pipelines_only_with_zero1():
 def test_deepspeed_zero1_pipeline_is_planned_when_pinned():
     topology = Topology(1, 4, memory_per_accelerator=80e9)
     pins = LayoutPins(pp=2, pp_schedule="interleaved", virtual_stages=2)
-    best = plan(PRESETS["tiny"], topology, global_batch=8, seq_len=64, pins=pins,
-                engine="deepspeed").best  # fmt: skip
+    best = plan(
+        PRESETS["tiny"], topology, global_batch=8, seq_len=64, pins=pins, engine="deepspeed"
+    ).best
     assert (best.layout.dims.pp, best.layout.dims.dp, best.layout.zero_stage) == (2, 2, 1)
     assert best.layout.pp_schedule == "interleaved"

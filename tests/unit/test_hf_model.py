@@ -46,8 +46,14 @@ tokens = torch.randint(0, 256, (2, 16))
 spec.loss_fn()(model(tokens), tokens).backward()
 print(sorted(m for m in sys.modules if m.split(".")[0] in ("transformers", "datasets")))
 """
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         check=True, timeout=120, cwd=REPO)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert out.stdout.strip() == "[]"
 
 
@@ -66,8 +72,11 @@ def test_hf_spec_from_a_model_type_has_the_planner_facts():
 
     spec = pickle.loads(pickle.dumps(hf_spec("llama", SMALL_LLAMA)))
     assert (spec.shape.dim, spec.shape.n_layers, spec.shape.n_heads, spec.shape.n_kv_heads) == (
-        32, 2, 4, 2,
-    )  # fmt: skip
+        32,
+        2,
+        4,
+        2,
+    )
     model = spec.build(16, seed=0)
     assert list(spec.blocks(model)) == ["0", "1"]
     assert "model.layers.1.mlp.down_proj.weight" in model.state_dict()

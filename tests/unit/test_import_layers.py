@@ -31,6 +31,10 @@ def test_the_planner_and_the_simulator_load_neither_torch_nor_ray():
 
 def test_the_control_plane_loads_no_training_runtime():
     loaded = _loaded_after_importing("raytrain_dt.control")
-    runtime = ("deepspeed", "raytrain_dt.engines", "raytrain_dt.parallel",
-               "raytrain_dt.worker.rank_actor")  # fmt: skip
+    runtime = (
+        "deepspeed",
+        "raytrain_dt.engines",
+        "raytrain_dt.parallel",
+        "raytrain_dt.worker.rank_actor",
+    )
     assert [m for m in loaded if m.startswith(runtime)] == []

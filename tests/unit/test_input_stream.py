@@ -17,8 +17,10 @@ from raytrain_dt.worker.input_stream import _chain
 
 def _micro_batches(data: DataSlice) -> list[dict]:
     """What the pipeline yields for `data`: its rows in micro-batches, in order."""
-    return [_fetch({"id": np.arange(i, min(i + data.micro_batch, data.num_rows))}, data)
-            for i in range(0, data.num_rows, data.micro_batch)]  # fmt: skip
+    return [
+        _fetch({"id": np.arange(i, min(i + data.micro_batch, data.num_rows))}, data)
+        for i in range(0, data.num_rows, data.micro_batch)
+    ]
 
 
 @pytest.mark.parametrize("ready_after", [0, 4, 7, 1000])

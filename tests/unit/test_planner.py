@@ -156,8 +156,9 @@ def test_fewer_accelerators_win_a_throughput_tie() -> None:
     # 1023 nodes for 1024 samples at 8 GPUs per sample: some rank must hold 2 samples, so
     # 512 nodes reach the same throughput (within the tie band) as all 1023.
     topo = Topology(1023, 8, memory_per_accelerator=H100)
-    p = plan(PRESETS["llama-70b"], topo, global_batch=1024, seq_len=4096,
-             pins=LayoutPins(tp=8, pp=1))  # fmt: skip
+    p = plan(
+        PRESETS["llama-70b"], topo, global_batch=1024, seq_len=4096, pins=LayoutPins(tp=8, pp=1)
+    )
     lay = p.best.layout
     assert lay.dims.world_size < topo.num_accelerators and lay.padded_slots == 0
     full = [c for c in [p.best, *p.alternatives] if c.layout.dims.world_size > lay.dims.world_size]
@@ -272,9 +273,16 @@ def test_deterministic() -> None:
 def test_to_json_shape() -> None:
     record = _plan("llama-7b", 1).to_json()
     assert set(record["layout"]) >= {
-        "pp", "dp", "tp", "dp_replicate", "dp_shard", "zero_stage", "micro_batch",
-        "grad_accum", "activation_checkpointing",
-    }  # fmt: skip
+        "pp",
+        "dp",
+        "tp",
+        "dp_replicate",
+        "dp_shard",
+        "zero_stage",
+        "micro_batch",
+        "grad_accum",
+        "activation_checkpointing",
+    }
     assert set(record["memory_gb_per_rank"]) >= {
         "params",
         "grads",

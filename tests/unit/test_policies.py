@@ -20,8 +20,12 @@ def dp_layout(nodes) -> Layout | None:
     world = sum(n.accelerators for n in nodes)
     if world == 0 or GLOBAL_BATCH % world:
         return None
-    return Layout(ParallelDims(world_size=world, dp_shard=world), zero_stage=3,
-                  micro_batch=GLOBAL_BATCH // world, grad_accum=1)  # fmt: skip
+    return Layout(
+        ParallelDims(world_size=world, dp_shard=world),
+        zero_stage=3,
+        micro_batch=GLOBAL_BATCH // world,
+        grad_accum=1,
+    )
 
 
 def nodes(*ids: str) -> tuple[NodeInfo, ...]:
@@ -30,13 +34,22 @@ def nodes(*ids: str) -> tuple[NodeInfo, ...]:
 
 @pytest.fixture
 def policy():
-    return ElasticPolicy(ElasticConfig(min_nodes=1, max_restarts=3, max_failures_at_step=2,
-                                       wait_timeout_s=10, grow_stable_s=5), dp_layout)  # fmt: skip
+    return ElasticPolicy(
+        ElasticConfig(
+            min_nodes=1, max_restarts=3, max_failures_at_step=2, wait_timeout_s=10, grow_stable_s=5
+        ),
+        dp_layout,
+    )
 
 
 def running(**kw) -> Observation:
-    base = dict(now=100.0, nodes=nodes("a", "b"), layout=dp_layout(nodes("a", "b")),
-                layout_nodes=("a", "b"), nodes_stable_since=0.0)  # fmt: skip
+    base = dict(
+        now=100.0,
+        nodes=nodes("a", "b"),
+        layout=dp_layout(nodes("a", "b")),
+        layout_nodes=("a", "b"),
+        nodes_stable_since=0.0,
+    )
     base.update(kw)
     return Observation(**base)
 
@@ -108,6 +121,7 @@ def test_restart_budget_and_repeating_failures_stop_the_run(policy):
 
 def test_max_nodes_keeps_the_nodes_in_use(policy):
     policy.cfg.max_nodes = 2
-    decision = policy.decide(running(nodes=nodes("a", "b", "c", "d"), health="failed",
-                                     restarts=1, failures_at_step=1))  # fmt: skip
+    decision = policy.decide(
+        running(nodes=nodes("a", "b", "c", "d"), health="failed", restarts=1, failures_at_step=1)
+    )
     assert decision.nodes == ("a", "b")

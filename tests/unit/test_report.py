@@ -21,8 +21,9 @@ from raytrain_dt.observe.report import PLOTS, format_summary, render_report
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
-LAYOUT = Layout(ParallelDims(world_size=2, dp_shard=2), zero_stage=3, micro_batch=4,
-                grad_accum=1).as_dict()  # fmt: skip
+LAYOUT = Layout(
+    ParallelDims(world_size=2, dp_shard=2), zero_stage=3, micro_batch=4, grad_accum=1
+).as_dict()
 
 
 class Clock:
@@ -36,11 +37,24 @@ class Clock:
 def _step(rec: RunRecorder, clock: Clock, at: float, step: int, step_time: float) -> None:
     clock.now = at
     for rank in (1, 0):
-        rec.rank_step(rank, {"step": step, "mem_allocated_bytes": 100 + rank,
-                             "mem_peak_bytes": 200 + rank})  # fmt: skip
-    rec.step_metrics({"step": step, "loss": 5.0 - step + at / 100, "lr": 1e-3, "grad_norm": 1.0,
-                      "tokens_per_s": 1000.0, "step_time_s": step_time, "data_wait_s": 0.0,
-                      "consumed_samples": 8 * step, "mfu": 0.01}, 2, "dp=2")  # fmt: skip
+        rec.rank_step(
+            rank, {"step": step, "mem_allocated_bytes": 100 + rank, "mem_peak_bytes": 200 + rank}
+        )
+    rec.step_metrics(
+        {
+            "step": step,
+            "loss": 5.0 - step + at / 100,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "tokens_per_s": 1000.0,
+            "step_time_s": step_time,
+            "data_wait_s": 0.0,
+            "consumed_samples": 8 * step,
+            "mfu": 0.01,
+        },
+        2,
+        "dp=2",
+    )
 
 
 def _formation(rec: RunRecorder, clock: Clock, at: float, resume_step: int, kind: str) -> None:
@@ -79,9 +93,20 @@ def test_recorder_accounts_failure_recovery_and_goodput(tmp_path, clock):
     _formation(rec, clock, 1.0, 0, "start")
     # Rank 0's metrics arrive before rank 1's memory: the line waits for it.
     clock.now = 3.0
-    rec.step_metrics({"step": 1, "loss": 4.0, "lr": 1e-3, "grad_norm": 1.0,
-                      "tokens_per_s": 1000.0, "step_time_s": 1.0, "data_wait_s": 0.0,
-                      "consumed_samples": 8}, 2, "dp=2")  # fmt: skip
+    rec.step_metrics(
+        {
+            "step": 1,
+            "loss": 4.0,
+            "lr": 1e-3,
+            "grad_norm": 1.0,
+            "tokens_per_s": 1000.0,
+            "step_time_s": 1.0,
+            "data_wait_s": 0.0,
+            "consumed_samples": 8,
+        },
+        2,
+        "dp=2",
+    )
     rec.rank_step(0, {"step": 1, "mem_allocated_bytes": 100, "mem_peak_bytes": 200})
     assert read_jsonl(tmp_path / "metrics.jsonl") == []
     rec.rank_step(1, {"step": 1, "mem_allocated_bytes": 101, "mem_peak_bytes": 201})
@@ -110,8 +135,12 @@ def test_recorder_accounts_failure_recovery_and_goodput(tmp_path, clock):
     (recovery,) = [e for e in events if e["event"] == "recovery"]
     # Stopped when step 3 (later discarded) arrived at t=5; restarted at 12 - 1.5.
     assert recovery["recovery_s"] == pytest.approx(12.0 - 1.5 - 5.0)
-    assert (recovery["cause"], recovery["lost_steps"], recovery["stopped_after_step"],
-            recovery["resumed_step"]) == ("failed", 1, 3, 2)  # fmt: skip
+    assert (
+        recovery["cause"],
+        recovery["lost_steps"],
+        recovery["stopped_after_step"],
+        recovery["resumed_step"],
+    ) == ("failed", 1, 3, 2)
     metrics = read_jsonl(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3, 4]
     good = goodput(metrics, events)

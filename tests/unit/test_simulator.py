@@ -49,8 +49,15 @@ def test_synthetic_trace_is_deterministic_per_seed_and_well_formed():
 
 
 def test_zone_outage_takes_the_whole_zone_at_once():
-    spec = TraceSpec(nodes=128, duration_s=DAY, preemptions_per_node_day=0.0,
-                     failures_per_node_day=0.0, zone_size=32, zone_outages_per_day=3.0, seed=1)  # fmt: skip
+    spec = TraceSpec(
+        nodes=128,
+        duration_s=DAY,
+        preemptions_per_node_day=0.0,
+        failures_per_node_day=0.0,
+        zone_size=32,
+        zone_outages_per_day=3.0,
+        seed=1,
+    )
     trace = synthetic_trace(spec)
     first = trace.t[trace.kind == DOWN].min()
     lost = set(trace.node[(trace.kind == DOWN) & (trace.t == first)].tolist())
@@ -77,9 +84,18 @@ def _hand_setup(**cost_changes) -> Setup:
     Big enough for compute to outweigh collective latency, so the planner's fastest layout uses
     every GPU it has (on a tiny model one GPU would be fastest)."""
     cfg = scale_config("llama-1b", 8, 2048, 16)
-    costs = Costs(detection_s=10, replan_s=0, reform_s=20, actor_start_s=30, first_step_extra_s=0,
-                  ckpt_save_s=0, ckpt_load_s=5, ckpt_stall_s=0, step_s_by_world={16: 1.0, 8: 2.0},
-                  **cost_changes)  # fmt: skip
+    costs = Costs(
+        detection_s=10,
+        replan_s=0,
+        reform_s=20,
+        actor_start_s=30,
+        first_step_extra_s=0,
+        ckpt_save_s=0,
+        ckpt_load_s=5,
+        ckpt_stall_s=0,
+        step_s_by_world={16: 1.0, 8: 2.0},
+        **cost_changes,
+    )
     return Setup(SimPlanner(cfg), costs, 8, 2, cfg.elastic)
 
 
@@ -125,9 +141,16 @@ def test_policies_rank_ours_over_dp_only_over_restart_on_a_trace_with_notices():
     # forms is acted on once it has formed, so a notice saves every step only if it outlasts a
     # formation, one step and a save: here up to 110 s + 95 s + 45 s (pp=10 on 10-11 nodes).
     # (With 120 s notices, one that arrives early in an 11-node step loses that step.)
-    trace = synthetic_trace(TraceSpec(nodes=12, duration_s=2 * DAY, preemptions_per_node_day=1.0,
-                                      failures_per_node_day=0.0, zone_outages_per_day=0.0,
-                                      notice_s=300.0))  # fmt: skip
+    trace = synthetic_trace(
+        TraceSpec(
+            nodes=12,
+            duration_s=2 * DAY,
+            preemptions_per_node_day=1.0,
+            failures_per_node_day=0.0,
+            zone_outages_per_day=0.0,
+            notice_s=300.0,
+        )
+    )
     assert trace.counts()["notice"] == trace.counts()["down"] > 10
     rows = {
         name: setup.score(setup.run(name, trace, 300)) for name in ("restart", "dp_only", "ours")
@@ -139,9 +162,25 @@ def test_policies_rank_ours_over_dp_only_over_restart_on_a_trace_with_notices():
 
 def test_simulate_cli_writes_json_plots_and_report(tmp_path, capsys):
     out = tmp_path / "sim"
-    code = main(["simulate", "--nodes", "12", "--days", "1", "--model", "llama-70b",
-                 "--global-batch", "1680", "--preemptions-per-node-day", "1", "--sweep", "100,400",
-                 "--out", str(out)])  # fmt: skip
+    code = main(
+        [
+            "simulate",
+            "--nodes",
+            "12",
+            "--days",
+            "1",
+            "--model",
+            "llama-70b",
+            "--global-batch",
+            "1680",
+            "--preemptions-per-node-day",
+            "1",
+            "--sweep",
+            "100,400",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0
     record = json.loads((out / "simulation.json").read_text())
     assert [r["policy"] for r in record["comparison"]] == ["restart", "dp_only", "ours"]

@@ -128,8 +128,9 @@ class EmulatedCollectives(dist.ProcessGroup):
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
-        return self._each("all_gather_into_tensor_coalesced", "_allgather_base", outputs,
-                          inputs, opts)  # fmt: skip
+        return self._each(
+            "all_gather_into_tensor_coalesced", "_allgather_base", outputs, inputs, opts
+        )
 
     def allgather_coalesced(self, output_lists, inputs, opts=None):
         opts = opts or c10d.AllgatherOptions()
@@ -147,24 +148,30 @@ class EmulatedCollectives(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         opts = opts or c10d.ReduceScatterOptions()
-        return self._each("reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs,
-                          inputs, opts)  # fmt: skip
+        return self._each(
+            "reduce_scatter_tensor_coalesced", "_reduce_scatter_base", outputs, inputs, opts
+        )
 
     def alltoall_base(self, output, input, output_split_sizes, input_split_sizes, opts=None):
         opts = opts or c10d.AllToAllOptions()
-        return self._call("all_to_all_single", "alltoall_base", output, input,
-                          output_split_sizes, input_split_sizes, opts)  # fmt: skip
+        return self._call(
+            "all_to_all_single",
+            "alltoall_base",
+            output,
+            input,
+            output_split_sizes,
+            input_split_sizes,
+            opts,
+        )
 
     def alltoall(self, outputs, inputs, opts=None):
-        return self._call("all_to_all", "alltoall", outputs, inputs,
-                          opts or c10d.AllToAllOptions())  # fmt: skip
+        return self._call("all_to_all", "alltoall", outputs, inputs, opts or c10d.AllToAllOptions())
 
     def gather(self, output_lists, inputs, opts=None):
         return self._call("gather", "gather", output_lists, inputs, opts or c10d.GatherOptions())
 
     def scatter(self, outputs, input_lists, opts=None):
-        return self._call("scatter", "scatter", outputs, input_lists,
-                          opts or c10d.ScatterOptions())  # fmt: skip
+        return self._call("scatter", "scatter", outputs, input_lists, opts or c10d.ScatterOptions())
 
     def barrier(self, opts=None):
         # NCCL's barrier is an all-reduce of one element on the accelerator.

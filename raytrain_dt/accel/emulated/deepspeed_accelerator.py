@@ -32,8 +32,9 @@ class EmulatedAccelerator(CPU_Accelerator):
         return self.device_name(self.current_device())
 
     def device(self, device_index=None) -> torch.device:
-        return torch.device(DEVICE_TYPE, self.current_device() if device_index is None
-                            else device_index)  # fmt: skip
+        return torch.device(
+            DEVICE_TYPE, self.current_device() if device_index is None else device_index
+        )
 
     def set_device(self, device_index) -> None:
         torch.accelerator.set_device_index(device_index)
