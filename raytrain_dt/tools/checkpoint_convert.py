@@ -224,7 +224,7 @@ def write_deepspeed(
         if "step" in group_state:
             # DeepSpeed's flat groups each hold one step; every parameter shares ours.
             group_state["step"] = torch.tensor(step, dtype=torch.float32)
-    engine.save(uri, digests)
+    engine.save(uri, digests=digests)
 
 
 # --- the command -----------------------------------------------------------------------------------
