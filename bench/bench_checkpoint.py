@@ -66,6 +66,7 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
 
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.config.schema import TrainConfig
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
     from raytrain_dt.models.model_spec import llama_spec
     from raytrain_dt.models.presets import ModelShape
@@ -83,7 +84,7 @@ def _rank_main(rank: int, port: int, root: str, repeats: int, results) -> None:
     mesh = build_mesh(layout.dims, device.device_type)
     cfg = TrainConfig()
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=SEQ_LEN))
-    engine = FSDP2Engine(llama_spec(ModelShape(**SHAPE)), cfg, layout, mesh, device)
+    engine = FSDP2Engine(EngineBuild(llama_spec(ModelShape(**SHAPE)), cfg, layout, mesh, device))
     tokens = torch.randint(0, SHAPE["vocab_size"], (1, SEQ_LEN))
 
     def train_step(step: int) -> float:

@@ -100,6 +100,7 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
     import torch.distributed as dist
 
     from raytrain_dt.accel.device import select_device
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
@@ -118,7 +119,9 @@ def _measure_rank(rank: int, engine_name: str, zero: int, degrees: dict, port: i
     )
     try:
         mesh = build_mesh(dims, "cpu")
-        engine = build_engine(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
+        engine = build_engine(
+            EngineBuild(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
+        )
         out: dict = {"rank": rank, "accum_grads": None, "fwd_params": None}
         if engine_name == "deepspeed":
             memory_probe.instrument_deepspeed(engine, out)

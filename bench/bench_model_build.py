@@ -78,6 +78,7 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
     import torch.distributed as dist
 
     from raytrain_dt.accel.device import host_memory, reset_host_peak, select_device
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
@@ -97,7 +98,9 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     layout = Layout(ParallelDims(world_size=WORLD, dp_shard=WORLD), 3, 1, 1)
     engine = build_engine(
-        model_spec(cfg), cfg, layout, build_mesh(layout.dims, "cpu"), select_device("fp32")
+        EngineBuild(
+            model_spec(cfg), cfg, layout, build_mesh(layout.dims, "cpu"), select_device("fp32")
+        )
     )
     built = host_memory()["host_rss_peak_bytes"]
     build_s = time.perf_counter() - started

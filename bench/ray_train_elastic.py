@@ -33,6 +33,7 @@ def train_fn(config: dict) -> None:
     from raytrain_dt.config import load_config
     from raytrain_dt.data.order import rank_positions, sample_ids
     from raytrain_dt.data.source import TokenDataset
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
@@ -45,7 +46,7 @@ def train_fn(config: dict) -> None:
     layout = Layout(ParallelDims(world_size=world, dp_shard=world), 3, gb // world, 1)
     device = select_device(cfg.engine.precision)
     mesh = build_mesh(layout.dims, device.device_type)
-    engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
+    engine = build_engine(EngineBuild(model_spec(cfg), cfg, layout, mesh, device))
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     start = 0
     checkpoint = ray.train.get_checkpoint()

@@ -28,6 +28,7 @@ def train_fn(config: dict) -> None:
     from raytrain_dt.data.input_pipeline import DataSlice
     from raytrain_dt.data.order import sample_ids
     from raytrain_dt.data.source import TokenDataset
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
@@ -42,7 +43,7 @@ def train_fn(config: dict) -> None:
     dims = layout.dims
     device = select_device(cfg.engine.precision)
     mesh = build_mesh(dims, device.device_type)
-    engine = build_engine(model_spec(cfg), cfg, layout, mesh, device)
+    engine = build_engine(EngineBuild(model_spec(cfg), cfg, layout, mesh, device))
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     steps = cfg.trainer.steps
     data = DataSlice(

@@ -1,4 +1,5 @@
-"""The engine protocol: the train loop's only view of FSDP2 or DeepSpeed.
+"""The engine protocol: the train loop's only view of FSDP2 or DeepSpeed, and `EngineBuild`,
+what every engine is constructed from.
 
 An engine owns the parallelized model and its optimizer. It runs one optimizer step over a
 list of micro-batches and hands its state to and from checkpoints. The train loop and the
@@ -13,6 +14,32 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+
+from raytrain_dt.accel.device import DeviceSpec
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.models.materialize import WeightSource, initial_weights
+from raytrain_dt.models.model_spec import ModelSpec
+from raytrain_dt.topology.layout import Layout
+
+
+@dataclass(frozen=True)
+class EngineBuild:
+    """Everything an engine is built from, one argument for every engine's constructor (and
+    `engines.factory.build_engine`): the model's spec, the run's config, this rank's layout,
+    mesh and device, and the weights to start from (the spec's own when None)."""
+
+    spec: ModelSpec
+    cfg: TrainConfig
+    layout: Layout
+    mesh: DeviceMesh
+    device: DeviceSpec
+    weights: WeightSource | None = None
+
+    def initial_weights(self) -> WeightSource:
+        """`weights`, or the spec's initial weights (its random init from the run's seed, or
+        the pretrained weights it names)."""
+        return self.weights or initial_weights(self.spec, self.cfg.run.seed)
 
 
 @dataclass(frozen=True)

@@ -27,24 +27,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.engines.base import StepResult
+from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.deepspeed_files import recording_saves, saved_layout, to_universal
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.errors import ConfigError
-from raytrain_dt.models.materialize import (
-    WeightSource,
-    initial_weights,
-    read_flat,
-    unique_parameters,
-)
+from raytrain_dt.models.materialize import WeightSource, read_flat, unique_parameters
 from raytrain_dt.models.model_spec import ModelSpec
+from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.memory import DEEPSPEED_REDUCE_BUCKET
 from raytrain_dt.topology.pins import engine_refusal
@@ -206,32 +201,35 @@ class DeepSpeedEngine:
     # to replace (config validation refuses chaos `kill_rank_mid_save` for this engine).
     supports_async_save = False
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        cfg: TrainConfig,
-        layout: Layout,
-        mesh: DeviceMesh,
-        device: DeviceSpec,
-        weights: WeightSource | None = None,
-    ):
-        self.cfg = cfg
-        self.layout = layout
-        self.device = device
-        self._loss = spec.loss_fn()
+    def __init__(self, build: EngineBuild):
+        self.cfg = build.cfg
+        self.layout = build.layout
+        self.device = build.device
+        self._loss = build.spec.loss_fn()
+        self._initialize_deepspeed(build)
+        self._dp_group = build.mesh["dp"].get_group()
+
+    def _initialize_deepspeed(self, build: EngineBuild) -> None:
+        """Build this rank's model (ZeRO-3: only its partition) and hand it to DeepSpeed. The
+        pipeline engine overrides this to build and hand over its stages instead."""
+        spec, cfg, layout, device = build.spec, build.cfg, build.layout, build.device
         self.ds_config = deepspeed_config(cfg, layout, device)
-        weights = weights or initial_weights(spec, cfg.run.seed)
+        weights = build.initial_weights()
         if layout.zero_stage == 3:
             model = build_partitioned(spec, cfg.data.seq_len, self.ds_config, device, weights)
         else:  # replicated parameters (ZeRO-0/1/2): the whole model on every rank, by design
             model = spec.build(cfg.data.seq_len, cfg.run.seed, device.torch_device, weights)
         if layout.activation_checkpointing:
-            from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
-
             apply_activation_checkpointing(model, spec.blocks(model), keep_names=True)
+        self._hand_to_deepspeed(model)
+
+    def _hand_to_deepspeed(self, model: nn.Module, mpu=None) -> None:
+        """Wrap `model` in a DeepSpeed engine with our optimizer (`self.ds_config`, the groups
+        of `mpu`), recording its parameter names first: `full_state_dict` reports under them."""
         self._names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
-        self.engine, self.optimizer = initialize_deepspeed(model, cfg, self.ds_config, device)
-        self._dp_group = mesh["dp"].get_group()
+        self.engine, self.optimizer = initialize_deepspeed(
+            model, self.cfg, self.ds_config, self.device, mpu
+        )
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None

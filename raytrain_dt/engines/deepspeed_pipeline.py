@@ -24,15 +24,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.engines.base import StepResult
-from raytrain_dt.engines.deepspeed_engine import (
-    DeepSpeedEngine,
-    deepspeed_config,
-    initialize_deepspeed,
-)
+from raytrain_dt.engines.base import EngineBuild, StepResult
+from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_config
 from raytrain_dt.engines.optim import apply_lr_schedule
-from raytrain_dt.models.materialize import WeightSource, initial_weights, materialize
-from raytrain_dt.models.model_spec import ModelSpec
+from raytrain_dt.models.materialize import materialize
+from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
 from raytrain_dt.parallel.pipeline_parallel import (
     Pipeline,
     StageUnion,
@@ -89,20 +85,14 @@ def pipeline_deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSp
 
 
 class DeepSpeedPipelineEngine(DeepSpeedEngine):
-    """DeepSpeedEngine's checkpoints and state, with a pipeline schedule for the step."""
+    """DeepSpeedEngine's checkpoints and state, with this rank's pipeline stages for its
+    model and a pipeline schedule for the step."""
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        cfg: TrainConfig,
-        layout: Layout,
-        mesh: DeviceMesh,
-        device: DeviceSpec,
-        weights: WeightSource | None = None,
-    ):
-        self.cfg = cfg
-        self.layout = layout
-        self.device = device
+    def _initialize_deepspeed(self, build: EngineBuild) -> None:
+        """Build this rank's pipeline stages and hand them to DeepSpeed as one `StageUnion`,
+        with the mesh's DP and pp groups; then the schedule that drives the stages."""
+        spec, cfg, layout, mesh = build.spec, build.cfg, build.layout, build.mesh
+        device = build.device
         if layout.padded_slots:
             raise ValueError(f"{layout.describe()}: pipeline stages need an exact global batch")
         self.ds_config = pipeline_deepspeed_config(cfg, layout, device)
@@ -111,26 +101,19 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         # The skeleton is cut first: a rank materializes only its stages (whole, as ZeRO-1
         # replicates parameters over the stage's DP group).
         parts = split_model(spec.skeleton(cfg.data.seq_len), layout, pp_mesh.get_local_rank(), spec)
-        weights = weights or initial_weights(spec, cfg.run.seed)
+        weights = build.initial_weights()
         for part in parts:
             materialize(part, device.torch_device, weights)
         if layout.activation_checkpointing:
-            from raytrain_dt.engines.fsdp2 import apply_activation_checkpointing
-
             for part in parts:
                 apply_activation_checkpointing(part, spec.blocks(part), keep_names=True)
-        union = StageUnion(parts, spec.parts)
-        self._names = [name for name, _ in union.named_parameters(remove_duplicate=False)]
-        self.engine, self.optimizer = initialize_deepspeed(
-            union, cfg, self.ds_config, device, mpu=PipelineGroups(mesh)
-        )
+        self._hand_to_deepspeed(StageUnion(parts, spec.parts), mpu=PipelineGroups(mesh))
         # The stages share their modules with the union DeepSpeed now manages (it moved and
         # flattened their parameters in place), so the schedule is built only now.
         self.pipeline = Pipeline(
             parts, layout, self._pp_group, pp_mesh.get_local_rank(), device.torch_device,
-            spec.loss_fn(),
+            self._loss,
         )  # fmt: skip
-        self._dp_group = mesh["dp"].get_group()
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None

@@ -32,7 +32,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -41,12 +40,11 @@ from raytrain_dt.checkpoint.export import model_tensors
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
-from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.engines.base import StepResult
+from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
-from raytrain_dt.models.materialize import WeightSource, initial_weights, materialize
-from raytrain_dt.models.model_spec import ModelSpec
+from raytrain_dt.models.materialize import materialize
+from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
 from raytrain_dt.parallel.pipeline_parallel import (
     Pipeline,
     StageUnion,
@@ -55,7 +53,6 @@ from raytrain_dt.parallel.pipeline_parallel import (
     split_model,
 )
 from raytrain_dt.parallel.tensor_parallel import loss_context
-from raytrain_dt.topology.layout import Layout
 
 # Optimizer state keyed per parameter name ("state.<name>.exp_avg", "param_groups.<name>.lr"):
 # pipeline stages hold different parameters, and a nested param_groups list would be one
@@ -64,61 +61,23 @@ from raytrain_dt.topology.layout import Layout
 STATE_DICT_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def apply_activation_checkpointing(
-    model: nn.Module, blocks: nn.ModuleDict | None = None, keep_names: bool = False
-) -> None:
-    """Checkpoint each block (the model's `layers` unless its spec names other blocks).
-
-    `keep_names`: recompute through the block's own forward instead of wrapping it in torch's
-    CheckpointWrapper, whose `_checkpoint_wrapped_module.` would enter every parameter's name.
-    DeepSpeed records those names in its checkpoint files, so a checkpoint written with AC
-    would not load into a layout without it (DCP's state dicts strip the wrapper: FSDP2 wraps).
-    """
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
-
-    blocks = model.layers if blocks is None else blocks
-    for name, block in list(blocks.named_children()):
-        if keep_names:
-            block.forward = _recomputed_in_backward(block.forward)
-        else:
-            blocks.register_module(name, checkpoint_wrapper(block, preserve_rng_state=False))
-
-
-def _recomputed_in_backward(forward):
-    """`forward` under non-reentrant activation checkpointing, as CheckpointWrapper runs it."""
-    from torch.utils.checkpoint import checkpoint
-
-    def checkpointed(*args, **kwargs):
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=False, **kwargs)
-
-    return checkpointed
-
-
 class FSDP2Engine:
     supports_async_save = True
 
-    def __init__(
-        self,
-        spec: ModelSpec,
-        cfg: TrainConfig,
-        layout: Layout,
-        mesh: DeviceMesh,
-        device: DeviceSpec,
-        weights: WeightSource | None = None,
-    ):
-        """Builds `spec`'s model as a skeleton (no parameter memory), cuts this rank's pipeline
-        stages, parallelizes them, then materializes only this rank's shards from `weights`
-        (the spec's initial weights when None): no rank ever holds the full model."""
-        self.cfg = cfg
-        self.layout = layout
-        self.mesh = mesh
-        self.device = device
+    def __init__(self, build: EngineBuild):
+        """Builds the spec's model as a skeleton (no parameter memory), cuts this rank's
+        pipeline stages, parallelizes them, then materializes only this rank's shards from the
+        build's weights (`EngineBuild.initial_weights`): no rank ever holds the full model."""
+        self.cfg = cfg = build.cfg
+        self.layout = layout = build.layout
+        self.mesh = mesh = build.mesh
+        self.device = device = build.device
         # Which modules are blocks, ends, TP plan and loss.
-        self.spec = spec
+        self.spec = spec = build.spec
         self._loss = self.spec.loss_fn()
         self.pipeline: Pipeline | None = None
         self._pp_group = None
-        weights = weights or initial_weights(spec, cfg.run.seed)
+        weights = build.initial_weights()
         model = spec.skeleton(cfg.data.seq_len)
         if layout.dims.pp_enabled:
             if layout.padded_slots:

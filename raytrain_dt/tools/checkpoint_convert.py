@@ -151,12 +151,13 @@ def write_fsdp2(
 # --- DeepSpeed -----------------------------------------------------------------------------------
 def _deepspeed_engine(shape: ModelShape, cfg: TrainConfig, layout: Layout):
     from raytrain_dt.accel.device import select_device
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine
     from raytrain_dt.models.model_spec import llama_spec
 
     device = select_device("fp32")  # master weights and Adam moments are fp32 in both formats
     mesh = build_mesh(layout.dims, device.device_type)
-    return DeepSpeedEngine(llama_spec(shape), cfg, layout, mesh, device)
+    return DeepSpeedEngine(EngineBuild(llama_spec(shape), cfg, layout, mesh, device))
 
 
 def _named_params(engine) -> dict[str, torch.nn.Parameter]:

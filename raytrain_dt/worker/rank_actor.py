@@ -34,6 +34,7 @@ from raytrain_dt.accel.device import (
 from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
+from raytrain_dt.engines.base import EngineBuild
 from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
@@ -195,7 +196,9 @@ class RankWorker:
         init_from = None if spec.resume_from else spec.cfg.model.init_from  # a checkpoint wins
         weights = initial_weights(model_spec, spec.cfg.run.seed, init_from)
         # The engine materializes only this rank's shards (`models.materialize`).
-        self.engine = build_engine(model_spec, spec.cfg, spec.layout, mesh, device, weights)
+        self.engine = build_engine(
+            EngineBuild(model_spec, spec.cfg, spec.layout, mesh, device, weights)
+        )
         self._chaos = RankChaos(
             spec.cfg.chaos,
             spec.rank,

@@ -75,6 +75,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
     from raytrain_dt.accel.device import select_device
     from raytrain_dt.data.order import rank_rows, sample_ids
     from raytrain_dt.data.source import TokenDataset
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.materialize import initial_weights
     from raytrain_dt.models.model_spec import model_spec
@@ -96,7 +97,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
         mesh = build_mesh(dims, device.device_type)
         spec = model_spec(cfg)  # our preset, or `model.hf`
         weights = initial_weights(spec, cfg.run.seed, job.init_from)
-        engine = build_engine(spec, cfg, layout, mesh, device, weights)
+        engine = build_engine(EngineBuild(spec, cfg, layout, mesh, device, weights))
         if job.host_loss:  # the engines' old bug: the step's loss summed in a host tensor
             micro_steps = engine._micro_steps
             engine._micro_steps = lambda *args: micro_steps(*args).cpu()

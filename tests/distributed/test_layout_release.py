@@ -41,6 +41,7 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
     import torch.distributed.distributed_c10d as c10d
 
     from raytrain_dt.accel.device import select_device
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.factory import build_engine
     from raytrain_dt.models.model_spec import model_spec
     from raytrain_dt.parallel.device_mesh import build_mesh
@@ -61,7 +62,9 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
             timeout=datetime.timedelta(seconds=60),
         )
         mesh = build_mesh(layout.dims, "cpu")
-        worker.engine = build_engine(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
+        worker.engine = build_engine(
+            EngineBuild(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
+        )
         tokens = torch.randint(0, 256, (2, cfg.data.seq_len))  # any ids the vocabulary has
         worker.engine.train_step([tokens], 0, [torch.ones(2, dtype=torch.bool)])
         default = c10d._get_default_group()

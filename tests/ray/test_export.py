@@ -171,6 +171,7 @@ def test_resuming_into_another_model_shape_is_one_error_before_anything_starts(t
 
 def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trained):
     from raytrain_dt.accel.device import select_device
+    from raytrain_dt.engines.base import EngineBuild
     from raytrain_dt.engines.fsdp2 import FSDP2Engine
     from raytrain_dt.models.model_spec import llama_spec
     from raytrain_dt.tools.checkpoint_convert import single_process_group
@@ -183,7 +184,9 @@ def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trai
         layout = Layout(ParallelDims(world_size=1, dp_shard=1), 3, 1, 1)
         device = select_device("fp32")
         spec = llama_spec(model_shape(other))
-        engine = FSDP2Engine(spec, other, layout, build_mesh(layout.dims, "cpu"), device)
+        engine = FSDP2Engine(
+            EngineBuild(spec, other, layout, build_mesh(layout.dims, "cpu"), device)
+        )
         untouched = {k: v.full_tensor().clone() for k, v in engine.model.state_dict().items()}
         with pytest.raises(CheckpointError) as raised:
             engine.load(result.latest_checkpoint)
