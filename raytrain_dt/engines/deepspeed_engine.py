@@ -312,8 +312,14 @@ class DeepSpeedEngine:
                 )
             # Another DP size or pipeline split: DeepSpeed's own loader refuses it; the
             # universal format is layout-free. Converted once, by rank 0, next to the original.
-            log.info("resharding %s: DP %d -> %d, pp %d -> %d", checkpoint_dir, saved[0],
-                     current[0], saved[2], current[2])  # fmt: skip
+            log.info(
+                "resharding %s: DP %d -> %d, pp %d -> %d",
+                checkpoint_dir,
+                saved[0],
+                current[0],
+                saved[2],
+                current[2],
+            )
             tag = UNIVERSAL_TAG
             if dist.get_rank() == 0 and not (path / tag).is_dir():
                 to_universal(path / TAG, path / UNIVERSAL_TAG)

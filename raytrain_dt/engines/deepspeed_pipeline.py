@@ -111,9 +111,13 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         # The stages share their modules with the union DeepSpeed now manages (it moved and
         # flattened their parameters in place), so the schedule is built only now.
         self.pipeline = Pipeline(
-            parts, layout, self._pp_group, pp_mesh.get_local_rank(), device.torch_device,
+            parts,
+            layout,
+            self._pp_group,
+            pp_mesh.get_local_rank(),
+            device.torch_device,
             self._loss,
-        )  # fmt: skip
+        )
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None

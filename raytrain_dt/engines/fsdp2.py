@@ -93,8 +93,14 @@ class FSDP2Engine:
             self._parallelize(part)
             materialize(part, param_device, weights, buffer_device=device.torch_device)
         if layout.dims.pp_enabled:
-            self.pipeline = Pipeline(parts, layout, self._pp_group, pp_mesh.get_local_rank(),
-                                     device.torch_device, self._loss)  # fmt: skip
+            self.pipeline = Pipeline(
+                parts,
+                layout,
+                self._pp_group,
+                pp_mesh.get_local_rank(),
+                device.torch_device,
+                self._loss,
+            )
             # One module under the full model's names for the optimizer and checkpoints.
             model = StageUnion(parts, self.spec.parts)
         self.model = model

@@ -45,8 +45,13 @@ def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
 
 def scheduled_lr(trainer: TrainerConfig, step: int) -> float:
     """The LR of optimizer step `step` (0-based) under the trainer's schedule."""
-    return lr_at(step, lr=trainer.lr, warmup_steps=trainer.warmup_steps, total_steps=trainer.steps,
-                 min_lr_ratio=trainer.min_lr_ratio)  # fmt: skip
+    return lr_at(
+        step,
+        lr=trainer.lr,
+        warmup_steps=trainer.warmup_steps,
+        total_steps=trainer.steps,
+        min_lr_ratio=trainer.min_lr_ratio,
+    )
 
 
 def apply_lr_schedule(optimizer: torch.optim.Optimizer, trainer: TrainerConfig, step: int) -> float:

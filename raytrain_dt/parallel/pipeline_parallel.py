@@ -212,8 +212,12 @@ class Pipeline:
         return torch.stack([loss.detach().float() for loss in losses]).sum()
 
 
-def shared_pipeline_loss(pipeline: Pipeline, micro_batches: list[torch.Tensor],
-                         pp_group: dist.ProcessGroup, device: DeviceSpec) -> torch.Tensor:  # fmt: skip
+def shared_pipeline_loss(
+    pipeline: Pipeline,
+    micro_batches: list[torch.Tensor],
+    pp_group: dist.ProcessGroup,
+    device: DeviceSpec,
+) -> torch.Tensor:
     """One schedule step; its mean loss (fp32, on the device), known on every stage
     (collective over pp: only the last stage computes it)."""
     local = pipeline.step(micro_batches)
