@@ -13,6 +13,7 @@ to the node and are set in cluster.yaml, not here.
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
 
@@ -100,3 +101,13 @@ def with_comm_env(runtime_env: dict | None, env: dict) -> dict:
     merged = dict(runtime_env or {})
     merged["env_vars"] = {**merged.get("env_vars", {}), **env}
     return merged
+
+
+def storage_runtime_env() -> dict | None:
+    """The driver's AWS_* settings (credentials, region, AWS_ENDPOINT_URL) for the rank actors.
+
+    Actors run in worker processes of raylets that may have started before this driver set
+    them, so without this they would not see the storage the checkpoints go to.
+    """
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    return {"env_vars": env} if env else None

@@ -14,13 +14,9 @@ never imports torch.distributed: everything it knows about ranks comes from thei
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 from tqdm import tqdm
@@ -31,7 +27,6 @@ from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.load import to_yaml
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.capacity import Capacity
-from raytrain_dt.control.chaos import Chaos
 from raytrain_dt.control.cluster import (
     ClusterHandle,
     ClusterView,
@@ -41,11 +36,13 @@ from raytrain_dt.control.cluster import (
     connect,
     simulated_node_args,
 )
-from raytrain_dt.control.comm_env import run_comm_env, with_comm_env
+from raytrain_dt.control.comm_env import run_comm_env, storage_runtime_env, with_comm_env
 from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.deciding import Decider
+from raytrain_dt.control.driver_signals import sigterm_stops
 from raytrain_dt.control.formation import Formation, FormationTimedOut, NoRoomForLayout
 from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.policies import (
     ElasticPolicy,
     FailureStreak,
@@ -164,7 +161,7 @@ class Coordinator:
         self.recorder.event("connected", mode=handle.mode, ray_start_s=self.ray_start_s)
         try:
             # Installed only now: `ray.init` replaces any SIGTERM handler set before it.
-            with _sigterm_stops(self):
+            with sigterm_stops(self.request_stop, lambda: self.stop_reason):
                 while not self.state.terminal:
                     self.advance()
         finally:
@@ -384,40 +381,11 @@ class Coordinator:
         return Running()
 
 
-def storage_runtime_env() -> dict | None:
-    """The driver's AWS_* settings (credentials, region, AWS_ENDPOINT_URL) for the rank actors.
-
-    Actors run in worker processes of raylets that may have started before this driver set
-    them, so without this they would not see the storage the checkpoints go to.
-    """
-    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    return {"env_vars": env} if env else None
-
-
 def train(cfg: TrainConfig, **kwargs) -> RunResult:
     """Run training to the end. A SIGTERM to this process (`ray job stop`, a scheduler, a
     spot driver node) stops it gracefully: checkpoint at the next step boundary, then return
     with `stopped`; a second SIGTERM exits at once."""
     return Coordinator(cfg, **kwargs).run()
-
-
-@contextlib.contextmanager
-def _sigterm_stops(coordinator: Coordinator) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield  # only the main thread may handle signals
-        return
-
-    def on_sigterm(signum, frame):
-        if coordinator.stop_reason:
-            raise SystemExit(128 + signum)
-        log.warning("SIGTERM: stopping at the next step boundary with a checkpoint")
-        coordinator.request_stop("SIGTERM")
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 __all__ = ["Coordinator", "RunResult", "TrainingFailed", "model_shape", "train"]

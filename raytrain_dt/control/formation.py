@@ -19,10 +19,10 @@ from pathlib import Path
 from raytrain_dt.checkpoint.digests import verification_shares
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.schema import TrainConfig
-from raytrain_dt.control.chaos import Chaos
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.deadlines import Bound, Deadlines
 from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.control.policies import Resize
 from raytrain_dt.control.recovery_timing import RecoveryTimer

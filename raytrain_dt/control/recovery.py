@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from raytrain_dt.checkpoint.store import CheckpointStore
-from raytrain_dt.control.chaos import Chaos
 from raytrain_dt.control.cluster import ClusterView
 from raytrain_dt.control.deadlines import Bound, Deadlines
 from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Deciding, Draining, State, Stopped
 from raytrain_dt.observe.metrics import RunRecorder

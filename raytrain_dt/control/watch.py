@@ -13,10 +13,10 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
-from raytrain_dt.control.chaos import CHAOS_ARRIVAL_WAIT_S, Chaos
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.node_chaos import CHAOS_ARRIVAL_WAIT_S, Chaos
 from raytrain_dt.control.recovery import POLL_INTERVAL_S, Recovery, broken_statuses
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Deciding, Finished, Running, State

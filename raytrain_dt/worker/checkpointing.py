@@ -24,7 +24,7 @@ from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.checkpoint.record import RNG_DIR
 from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.engines.base import Engine
-from raytrain_dt.worker.chaos import DieAfterWriting
+from raytrain_dt.worker.rank_chaos import DieAfterWriting
 from raytrain_dt.worker.reports import (
     CheckpointStagedReport,
     RankReport,

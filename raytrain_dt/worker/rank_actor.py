@@ -41,7 +41,6 @@ from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.parallel.device_mesh import build_mesh
-from raytrain_dt.worker.chaos import RankChaos
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.collective_timeout import set_collective_timeout
 from raytrain_dt.worker.input_stream import open_stream
@@ -51,6 +50,7 @@ from raytrain_dt.worker.layout_release import (
     where_thread_is,
 )
 from raytrain_dt.worker.notices import NoticeBoard
+from raytrain_dt.worker.rank_chaos import RankChaos
 from raytrain_dt.worker.reports import RankStatus, TrainStateReport
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop

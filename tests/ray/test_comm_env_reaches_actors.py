@@ -7,8 +7,7 @@ import os
 
 import pytest
 
-from raytrain_dt.control.comm_env import run_comm_env, with_comm_env
-from raytrain_dt.control.coordinator import storage_runtime_env
+from raytrain_dt.control.comm_env import run_comm_env, storage_runtime_env, with_comm_env
 
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 

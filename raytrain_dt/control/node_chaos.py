@@ -1,7 +1,7 @@
 """Driver-side fault injection on the embedded simulated cluster: lose, preempt or add nodes.
 
 Rank-level faults (`kill_rank`, `hang_rank`, `kill_rank_mid_save`) fire inside the target
-rank (`worker/chaos.py`); the node-level ones here act on `ray.cluster_utils.Cluster` raylets
+rank (`worker/rank_chaos.py`); the node-level ones here act on `ray.cluster_utils.Cluster` raylets
 when the run reaches their step. A `preempt_node` posts a notice and reclaims the node once the
 group has drained it. Every action fires once per run.
 """

@@ -2,7 +2,7 @@
 
 `kill_rank` and `hang_rank` fire at the start of their step, inside the rank's train loop;
 `kill_rank_mid_save` exits once this rank's shards of that step's save are written. Node-level
-faults are the driver's (`control/chaos.py`). The coordinator drops actions that already fired
+faults are the driver's (`control/node_chaos.py`). The coordinator drops actions that already fired
 from the config it hands to later layouts, so each fires once per run.
 """
 
