@@ -1,5 +1,4 @@
-"""Shared fixtures: one simulated multi-node Ray cluster per test session (per xdist worker:
-each runs whole files against its own cluster), a small dataset.
+"""Shared fixtures: one simulated multi-node Ray cluster per test session, a small dataset.
 
 The cluster has 2 nodes x 2 accelerators (the `accelerator` resource), like the embedded
 default's simulated nodes; tests that need a third node add and remove it themselves. Ray keeps
