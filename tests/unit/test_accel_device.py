@@ -124,3 +124,19 @@ def test_host_memory_peak_follows_the_rss_and_restarts_per_layout(emu):
     assert memory_usage(emu)["host_rss_peak_bytes"] - before >= 60 << 20
     assert reset_host_peak()
     assert host_memory()["host_rss_peak_bytes"] - before < 30 << 20
+
+
+def test_a_build_lock_left_by_a_killed_build_is_removed_and_a_live_one_kept(tmp_path):
+    import os
+
+    from raytrain_dt.accel.emulated.build import STALE_LOCK_S, clear_stale_lock
+
+    assert clear_stale_lock(tmp_path) is False  # no lock: nothing to do
+    lock = tmp_path / "lock"
+    lock.touch()
+    made = lock.stat().st_mtime
+    assert clear_stale_lock(tmp_path, now=made + 15) is False  # a build running now
+    assert lock.exists()
+    os.utime(lock, (made - STALE_LOCK_S - 1, made - STALE_LOCK_S - 1))
+    assert clear_stale_lock(tmp_path, now=made) is True
+    assert not lock.exists()
