@@ -2,6 +2,12 @@
 # .venv first (torch before deepspeed, so deepspeed's `torch>=2.0` does not pull a CUDA build).
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# `make test` runs two pytest-xdist workers, each taking whole files (heaviest first, see
+# tests/conftest.py) against its own session Ray cluster: much of a Ray test is waiting (actor
+# starts, deadlines), which the other worker fills. `make test PARALLEL=` runs serially. Files
+# marked `solo` (their own Ray head, whose agent must start within Ray's fixed 15 s) run after
+# them, alone.
+PARALLEL ?= -n 2 --dist loadfile --no-loadscope-reorder
 # GPU users: install the CUDA torch build for your driver instead, e.g.
 #   make install TORCH_SPEC="torch==2.13.0 --index-url <your CUDA wheel index>"
 TORCH_SPEC ?= torch==2.13.0
@@ -27,7 +33,8 @@ test: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PARALLEL) -m "not gpu and not solo"
+	$(PY) -m pytest -q -m solo
 
 # On a GPU machine: doctor on CUDA, then the `gpu`-marked tests (deselected everywhere else).
 gpu-check: install

@@ -1,7 +1,11 @@
-"""Benchmark: wall time of `planner.plan` for model/cluster pairs up to 405B on 8192 GPUs.
+"""Benchmark: wall time of `planner.plan` for model/cluster pairs up to 405B on 8192 GPUs, and
+the step-time model against published GPU runs.
 
-Pure Python, no Ray or torch. Prints one line per case (median over repeats) and writes
-bench/results/planner.json. Run: python bench/bench_planner.py [--repeats N]
+Pure Python, no Ray or torch. Prints one line per case (median over repeats), then one line per
+published run (`topology/published_runs.py`: source, configuration, published figure,
+prediction, ratio; PASS within +-20%), and writes bench/results/planner.json. Exits non-zero if
+planning 405B on 8192 GPUs takes 1 s or more, or a published row misses its target.
+Run: python bench/bench_planner.py [--repeats N]
 """
 
 from __future__ import annotations
@@ -15,9 +19,16 @@ import time
 from pathlib import Path
 
 from raytrain_dt.models.presets import PRESETS
+from raytrain_dt.topology.calibration import CALIBRATION
 from raytrain_dt.topology.layout import Topology
 from raytrain_dt.topology.memory import shape_for_params
 from raytrain_dt.topology.planner import plan
+from raytrain_dt.topology.published_runs import (
+    FREE_PICK_SLACK,
+    PUBLISHED_RUNS,
+    SOURCES_CHECKED,
+    TOLERANCE,
+)
 
 # (label, shape, nodes, accelerators per node, global batch, seq len)
 CASES = [
@@ -64,6 +75,8 @@ def main() -> int:
             f"{label:<32} {median_ms:8.2f} ms median ({row['fitting_layouts']:>4} fitting)  "
             f"{row['layout']}  {row['memory_gb']} GB  {row['step_time_s']} s/step"
         )
+    calibration = calibration_rows()
+    free_picks = free_pick_rows()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {
@@ -73,10 +86,90 @@ def main() -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cases": results,
+        "tables": [
+            {
+                "title": f"Step-time model against published runs (calibration {CALIBRATION}; "
+                f"target: every row within +-{TOLERANCE:.0%})",
+                "cases": calibration,
+            },
+            {
+                "title": "The planner's free pick against each published layout (target: no "
+                f"slower, or within {FREE_PICK_SLACK:.0%}; where it differs, why)",
+                "cases": free_picks,
+            },
+            {
+                "title": "Sources checked (each published figure read back from its source)",
+                "cases": [
+                    {"source": source, "where read": where, "checked": what}
+                    for source, (where, what) in SOURCES_CHECKED.items()
+                ],
+            },
+        ],
     }
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
-    return 0
+    fast = results[-1]["median_ms"] < 1000
+    missed = [r["configuration"] for r in calibration if r["result"] != "PASS"]
+    print(f"{'PASS' if fast else 'FAIL'}: 405B on 8192 GPUs plans in {results[-1]['median_ms']} ms")
+    print(
+        f"{'FAIL' if missed else 'PASS'}: {len(calibration) - len(missed)}/{len(calibration)} "
+        f"published rows within +-{TOLERANCE:.0%}" + (f" (missed: {missed})" if missed else "")
+    )
+    slower = [r["configuration"] for r in free_picks if r["result"] != "PASS"]
+    print(
+        f"{'FAIL' if slower else 'PASS'}: {len(free_picks) - len(slower)}/{len(free_picks)} free "
+        f"picks no slower than the published layout (+{FREE_PICK_SLACK:.0%})"
+        + (f" (slower: {slower})" if slower else "")
+    )
+    return 0 if fast and not missed and not slower else 1
+
+
+def free_pick_rows() -> list[dict]:
+    rows = []
+    for run in PUBLISHED_RUNS:
+        ratio, why = run.free_vs_published()
+        row = {
+            "source": run.source,
+            "configuration": run.label,
+            "published layout": run.layout().describe(),
+            "published layout s/step": round(run.predicted().total_s, 2),
+            "free pick / published": round(ratio, 3),
+            "result": "PASS" if ratio <= 1 + FREE_PICK_SLACK else "FAIL",
+            "why": why,
+        }
+        rows.append(row)
+        print(f"{row['result']} {ratio:6.3f}  {run.label}: {why}")
+    return rows
+
+
+def calibration_rows() -> list[dict]:
+    rows = []
+    for run in PUBLISHED_RUNS:
+        lay, t = run.layout(), run.predicted()
+        ratio = run.ratio()
+        passed = abs(ratio - 1.0) <= TOLERANCE
+        config = (
+            f"{run.label}: {run.gpus} x {run.gpu.name}, tp={run.tp} pp={run.pp} "
+            f"dp={lay.dims.dp}"
+            + (f" v={run.virtual_stages}" if run.virtual_stages > 1 else "")
+            + f", {run.global_batch} x {run.seq_len} tokens, micro-batch {run.micro_batch}"
+            + (", full AC" if run.activation_checkpointing else "")
+        )
+        row = {
+            "source": run.source,
+            "configuration": config,
+            "published": f"{run.figure:g} {run.unit}",
+            "predicted": f"{run.predicted_figure():.1f}",
+            "ratio": round(ratio, 3),
+            "predicted_step_s": round(t.total_s, 2),
+            "compute/comm/bubble s": f"{t.compute_s:.1f}/"
+            f"{t.dp_comm_s + t.tp_comm_s + t.pp_comm_s:.1f}/{t.bubble_s:.1f}",
+            "result": "PASS" if passed else "FAIL",
+            "assumed / why": run.assumed,
+        }
+        rows.append(row)
+        print(f"{row['result']} {ratio:6.3f}  {config}  ({run.figure:g} {run.unit})")
+    return rows
 
 
 if __name__ == "__main__":

@@ -20,15 +20,23 @@ from raytrain_dt.models.model_spec import model_spec
 from raytrain_dt.tools.checkpoint_convert import read_flat_state
 
 
-def global_batch_ids(cfg: TrainConfig, dataset: TokenDataset, step: int) -> np.ndarray:
-    g = cfg.trainer.global_batch
+def global_batch_ids(
+    cfg: TrainConfig, dataset: TokenDataset, step: int, batches: list[int] | None = None
+) -> np.ndarray:
+    """The samples of step `step` (0-based): the next `batches[step]` positions of the global
+    order (default: trainer.global_batch every step)."""
+    sizes = batches or [cfg.trainer.global_batch] * (step + 1)
+    start = sum(sizes[:step])
     return sample_ids(
-        np.arange(step * g, (step + 1) * g), dataset.num_samples, cfg.data.shuffle_seed
+        np.arange(start, start + sizes[step]), dataset.num_samples, cfg.data.shuffle_seed
     )
 
 
-def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Losses of the first `steps` steps and the parameters after them."""
+def reference_run(
+    cfg: TrainConfig, steps: int, batches: list[int] | None = None
+) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Losses of the first `steps` steps and the parameters after them; `batches`: each
+    step's real global batch (a run under trainer.batch_tolerance), the loss a mean over it."""
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     model = model_spec(cfg).build(cfg.data.seq_len, cfg.run.seed)
     optimizer = build_adamw(model, cfg.trainer)
@@ -45,7 +53,7 @@ def reference_run(cfg: TrainConfig, steps: int) -> tuple[list[float], dict[str, 
                 min_lr_ratio=t.min_lr_ratio,
             ),
         )
-        tokens = torch.from_numpy(dataset.read(global_batch_ids(cfg, dataset, step)))
+        tokens = torch.from_numpy(dataset.read(global_batch_ids(cfg, dataset, step, batches)))
         loss = next_token_loss(model(tokens), tokens)
         loss.backward()
         if t.grad_clip > 0:
@@ -66,18 +74,19 @@ def load_checkpoint_params(path: str) -> dict[str, torch.Tensor]:
 
 
 def check_run_matches_reference(
-    cfg: TrainConfig, result, steps: int, atol: float = 1e-4
+    cfg: TrainConfig, result, steps: int, atol: float = 1e-4, batches: list[int] | None = None
 ) -> list[dict]:
     """A finished run (`RunResult`) against the single-process run: every step's loss and the
     final checkpoint's weights within `atol`, and every step's samples exactly those of the
-    global order (none lost, none twice). Returns the run's metrics rows."""
+    global order (none lost, none twice). `batches`: each step's real global batch, for a run
+    under trainer.batch_tolerance. Returns the run's metrics rows."""
     import pytest
 
     from raytrain_dt.observe.metrics import read_jsonl
 
     metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
     assert [m["step"] for m in metrics] == list(range(1, steps + 1))
-    ref_losses, ref_params = reference_run(cfg, steps)
+    ref_losses, ref_params = reference_run(cfg, steps, batches)
     assert [m["loss"] for m in metrics] == pytest.approx(ref_losses, abs=atol)
     params = load_checkpoint_params(result.latest_checkpoint)
     for name, value in ref_params.items():
@@ -86,5 +95,6 @@ def check_run_matches_reference(
     ledger = read_jsonl(f"{result.run_dir}/ledger.jsonl")
     assert [r["step"] for r in ledger] == list(range(1, steps + 1))
     for record in ledger:
-        assert record["sample_ids"] == global_batch_ids(cfg, dataset, record["step"] - 1).tolist()
+        expected = global_batch_ids(cfg, dataset, record["step"] - 1, batches)
+        assert record["sample_ids"] == expected.tolist()
     return metrics

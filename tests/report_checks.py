@@ -75,10 +75,13 @@ def file_reads_below(root_uri: str) -> Iterator[list[str]]:
 
 
 def check_step_metrics(cfg, run_dir: str | Path) -> list[dict]:
-    """MFU from the model's FLOPs and the CPU peak; memory for every rank of every step."""
+    """MFU from the model's FLOPs and the CPU peak; memory for every rank of every step; the
+    real global batch of every step: the configured one, or within trainer.batch_tolerance."""
     metrics = read_jsonl(Path(run_dir) / "metrics.jsonl")
     flops_per_token = model_shape(cfg).flops_per_token(cfg.data.seq_len)
+    batch, tolerance = cfg.trainer.global_batch, cfg.trainer.batch_tolerance
     for m in metrics:
+        assert (1 - tolerance) * batch <= m["global_batch"] <= batch, m
         expected = flops_per_token * m["tokens_per_s"] / (m["world_size"] * CPU_PEAK_FLOPS)
         assert m["mfu"] == pytest.approx(expected, rel=1e-9)
         assert len(m["mem_allocated_bytes"]) == len(m["mem_peak_bytes"]) == m["world_size"]

@@ -47,9 +47,10 @@ def hf_config(shape: ModelShape, max_seq_len: int) -> dict:
     }
 
 
-def model_tensors(checkpoint_uri: str) -> dict[str, tuple[torch.Size, torch.dtype]]:
-    """Our model parameter names -> (shape, dtype), from DCP metadata alone."""
-    metadata = dcp_reader(checkpoint_uri).read_metadata()
+def model_tensors(checkpoint_uri: str, reader=None) -> dict[str, tuple[torch.Size, torch.dtype]]:
+    """Our model parameter names -> (shape, dtype), from DCP metadata alone (read by `reader`
+    where given: an in-memory copy's)."""
+    metadata = (reader or dcp_reader(checkpoint_uri)).read_metadata()
     return {
         key.removeprefix("model."): (meta.size, meta.properties.dtype)
         for key, meta in metadata.state_dict_metadata.items()

@@ -87,6 +87,10 @@ class TrainerConfig:
     steps: int = 20
     # Sequences per optimizer step: the one number that defines the math. Kept across resizes.
     global_batch: int = 8
+    # Fraction by which the global batch may drop while nodes are missing, in [0, 1): the planner
+    # may train (1 - t) x global_batch <= B' <= global_batch samples per step when B' fits the
+    # ranks better. The loss is normalised per real sample. 0: the exact batch, always.
+    batch_tolerance: float = 0.0
     # Per-rank sequences per forward pass; derived from global_batch and the DP degree when null.
     micro_batch: int | None = None
     # Micro-steps per optimizer step; derived when null.
@@ -132,6 +136,9 @@ class ParallelConfig:
     pp_schedule: str = "1f1b"
     # Pipeline stages per rank, for the interleaved schedule.
     virtual_stages: int = 1
+    # Blocks per pipeline stage, e.g. [7, 8, 8, 7] (pp x virtual_stages entries summing to
+    # model.n_layers); null: balanced by cost, the end stages carrying the embedding and head.
+    pp_layers: list[int] | None = None
     # With tensor parallelism, also split norms and residuals along the sequence (Megatron SP).
     sequence_parallel: bool = False
 
@@ -202,9 +209,24 @@ class CheckpointConfig:
     keep_every: int = 0
     # Stage shards to CPU and write them in the background (DCP async save).
     async_save: bool = True
+    # Every N steps each rank copies its state into host memory, its own and a peer's on
+    # another node, in the background: a failure resumes from the copies without rollback
+    # (FSDP2; DeepSpeed resumes from durable checkpoints). 0 disables the copies. null (the
+    # default): 1 where the ranks have GPUs (a device-to-host copy beside the step, the rest on
+    # the host's own cores), 0 on CPU ranks, where a copy competes with the step for the same
+    # cores (bench/bench_overhead.py: 2.1x the step time) (`memory_copy_interval`).
+    memory_every_steps: int | None = None
     # GB/s one rank is assumed to write (and read) its share of a checkpoint at, until a commit
     # has measured it: what save, drain and load deadlines are sized with. Conservative.
     assumed_write_gbps: float = 0.1
+
+
+def memory_copy_interval(checkpoint: CheckpointConfig, on_gpu: bool) -> int:
+    """Steps between in-memory copies: `checkpoint.memory_every_steps`, its null (the default)
+    resolved for ranks on GPUs or not (see the key's comment)."""
+    if checkpoint.memory_every_steps is None:
+        return 1 if on_gpu else 0
+    return checkpoint.memory_every_steps
 
 
 @dataclass
@@ -279,6 +301,10 @@ class ChaosAction:
     action: str = "kill_rank"
     # A rank for kill_rank/hang_rank; for node actions the node holding that rank.
     target: int = 0
+    # step: at the boundary of at_step | forming: during the first (re)formation once the run
+    # has begun at_step: kill_node after the actors are placed and before they set up;
+    # kill_rank as that rank (of the new layout) begins joining its peers
+    at: str = "step"
 
 
 @dataclass
@@ -376,6 +402,7 @@ _NON_NEGATIVE = (
     "trainer.grad_clip",
     "checkpoint.every_steps",
     "checkpoint.keep_every",
+    "checkpoint.memory_every_steps",
     "elastic.max_restarts",
     "elastic.grow_stable_s",
     "comm.trace_buffer",
@@ -399,7 +426,7 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             raise ConfigError(f"{key}: must be > 0, got {value}")
     for key in _NON_NEGATIVE:
         value = _get(cfg, key)
-        if value < 0:
+        if value is not None and value < 0:
             raise ConfigError(f"{key}: must be >= 0, got {value}")
     t = cfg.trainer
     if not 0.0 <= t.min_lr_ratio <= 1.0:
@@ -407,6 +434,8 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for key in ("trainer.beta1", "trainer.beta2"):
         if not 0.0 <= _get(cfg, key) < 1.0:
             raise ConfigError(f"{key}: must be in [0, 1), got {_get(cfg, key)}")
+    if not 0.0 <= t.batch_tolerance < 1.0:
+        raise ConfigError(f"trainer.batch_tolerance: must be in [0, 1), got {t.batch_tolerance}")
     if t.warmup_steps > t.steps:
         raise ConfigError(f"trainer.warmup_steps: {t.warmup_steps} exceeds trainer.steps={t.steps}")
     if t.micro_batch and t.grad_accum and t.global_batch % (t.micro_batch * t.grad_accum):
@@ -424,6 +453,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         if action.at_step < 1:
             raise ConfigError(f"chaos[{i}].at_step: must be >= 1, got {action.at_step}")
+        if action.at not in ("step", "forming"):
+            raise ConfigError(f"chaos[{i}].at: {action.at!r} is not one of step, forming")
+        if action.at == "forming" and action.action not in ("kill_node", "kill_rank"):
+            raise ConfigError(
+                f"chaos[{i}].at: forming fires only kill_node or kill_rank, not {action.action}"
+            )
         if action.action == "kill_rank_mid_save" and cfg.engine.name != "fsdp2":
             # Only FSDP2's DCP writer can be interrupted midway (Engine.supports_async_save).
             raise ConfigError(
@@ -439,6 +474,22 @@ def validate(cfg: TrainConfig) -> TrainConfig:
         raise ConfigError(f"elastic.hang_step_multiple: must be >= 1, got {e.hang_step_multiple}")
     if e.max_nodes is not None and e.max_nodes < e.min_nodes:
         raise ConfigError(f"elastic.max_nodes: {e.max_nodes} < elastic.min_nodes={e.min_nodes}")
+    par = cfg.parallel
+    if par.pp_layers is not None:
+        if not par.pp_layers or any(n < 1 for n in par.pp_layers):
+            raise ConfigError(
+                f"parallel.pp_layers: every stage needs >= 1 layer, got {par.pp_layers}"
+            )
+        if par.pp is not None and len(par.pp_layers) != par.pp * par.virtual_stages:
+            raise ConfigError(
+                f"parallel.pp_layers: {len(par.pp_layers)} stages, but parallel.pp={par.pp} x "
+                f"parallel.virtual_stages={par.virtual_stages} = {par.pp * par.virtual_stages}"
+            )
+        if len(par.pp_layers) % par.virtual_stages:
+            raise ConfigError(
+                f"parallel.pp_layers: {len(par.pp_layers)} stages is not a multiple of "
+                f"parallel.virtual_stages={par.virtual_stages}"
+            )
     if cfg.data.seq_len < 2:
         raise ConfigError(f"data.seq_len: must be >= 2, got {cfg.data.seq_len}")
     return cfg

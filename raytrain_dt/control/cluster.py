@@ -107,6 +107,10 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
     head_args = {
         "num_cpus": _embedded_cpus(cluster),
         "include_dashboard": False,
+        # Any free port for the dashboard agent, as Ray's Cluster gives its worker nodes: Ray's
+        # fixed default (52365) is taken by any other Ray on the machine, and an agent that
+        # cannot bind spends seconds retrying before the raylet's 15 s wait for it runs out.
+        "dashboard_agent_listen_port": None,
         # Notice a lost raylet in ~1.5 s instead of Ray's default ~15 s, so a killed simulated
         # node is reported dead before the coordinator re-plans without it.
         "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},

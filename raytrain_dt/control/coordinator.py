@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -25,7 +26,7 @@ from raytrain_dt.checkpoint.initial import check_matches
 from raytrain_dt.checkpoint.record import check_resume_fits
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.load import to_yaml
-from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.config.schema import TrainConfig, memory_copy_interval
 from raytrain_dt.control.capacity import Capacity
 from raytrain_dt.control.cluster import (
     ClusterHandle,
@@ -37,11 +38,12 @@ from raytrain_dt.control.cluster import (
     simulated_node_args,
 )
 from raytrain_dt.control.comm_env import run_comm_env, storage_runtime_env, with_comm_env
+from raytrain_dt.control.copy_holders import CopyHolders, live_actors
 from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.deciding import Decider
 from raytrain_dt.control.driver_signals import sigterm_stops
 from raytrain_dt.control.formation import Formation, FormationTimedOut, NoRoomForLayout
-from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.group import FormationFault, RankGroupLike
 from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.policies import (
     ElasticPolicy,
@@ -50,7 +52,7 @@ from raytrain_dt.control.policies import (
     Resize,
 )
 from raytrain_dt.control.rank_group import RankGroup
-from raytrain_dt.control.recovery import Recovery
+from raytrain_dt.control.recovery import Recovery, broken_statuses
 from raytrain_dt.control.run_setup import (
     RunResult,
     TrainingFailed,
@@ -196,11 +198,17 @@ class Coordinator:
         """Ready the state machine on a cluster view and a rank group (the only parts that
         touch Ray, so unit tests hand in fakes and drive `advance` themselves)."""
         self.resource, self.cluster, self.group = resource, cluster, group
+        # The in-memory copies' interval, resolved once for these ranks (null: by device).
+        every = memory_copy_interval(self.cfg.checkpoint, resource == "GPU")
+        self.cfg = replace(
+            self.cfg, checkpoint=replace(self.cfg.checkpoint, memory_every_steps=every)
+        )
         self.policy = ElasticPolicy(self.cfg.elastic, self._plan_for)
         self.chaos = Chaos(
             list(self.cfg.chaos), simulated, simulated_node_args(self.cfg.cluster, self.resource)
         )
         self.run_state = RunState()
+        self.copies = CopyHolders()
         resumed_step = self._resume_point()[1]
         self.recorder = RunRecorder(
             self.run_dir, resumed_step, default_sinks(self.cfg, self.run_dir, resumed_step)
@@ -226,10 +234,12 @@ class Coordinator:
             group,
             self.deadlines,
             self.recorder,
+            self.copies,
         )
         self.watch = GroupWatch(
             self.run_state, group, self.recorder, self.deadlines, self.chaos, self.bar, self._notice
         )
+        self.watch.copies = self.copies
         self.recovery = Recovery(
             self.run_state,
             group,
@@ -239,6 +249,7 @@ class Coordinator:
             self.deadlines,
             self.store,
             self.watch.handle_reports,
+            self.copies,
         )
         self.watch.recovery = self.recovery
         self.decider = Decider(self.policy, self.run_state, self.recorder, self._observe)
@@ -343,12 +354,20 @@ class Coordinator:
         return planned.best.layout
 
     def _resume_point(self) -> tuple[CheckpointRef | None, int]:
-        """The checkpoint a formation starts from: the newest intact one, except that the very
+        """The state a formation starts from: the ranks' in-memory copies of the newest step
+        every rank's copy survives, unless the newest intact checkpoint is newer; the very
         first formation of a run with resume=false starts fresh."""
         if not self.run_state.formed and not self.cfg.resume:
             return None, 0
         ref = self.store.latest_valid()
-        return ref, (ref.step if ref else 0)
+        step = ref.step if ref else 0
+        live = live_actors([*self.group.slots, *self.group.idle])
+        memory = self.copies.resume_point(live, not_before=step) if self.run_state.formed else None
+        if memory is None and self.run_state.formed and self.copies.held_bytes():
+            log.warning(
+                "no in-memory copy newer than step %d survives: resuming from storage", step
+            )
+        return (memory, memory.step) if memory else (ref, step)
 
     # --- executing a Resize: (re)form the group ----------------------------------------------
     def _form(self, state: Resizing | Restarting) -> State:
@@ -359,9 +378,12 @@ class Coordinator:
             self.recovery.leave_layout()
         capacity = {n.node_id: n.accelerators for n in self._observe("ok").nodes}
         try:
+            begun = run.failure_step + 1
             formed = self.formation.form(
-                decision, capacity, self._resume_point, self.chaos, run.incident
+                decision, capacity, self._resume_point, self.chaos, run.incident, begun
             )
+        except FormationFault as exc:  # a rank or node lost while forming: re-plan
+            return self.recovery.on_formation_fault(exc)
         except NoRoomForLayout as exc:  # capacity went since the decision: re-plan
             log.warning("%s: re-planning", exc)
             return Deciding("failed" if isinstance(state, Restarting) else "ok")
@@ -376,8 +398,11 @@ class Coordinator:
         self.watch.tracker = self.formation.record(self.run_state, state, formed, old, started)
         self.bar.n = formed.resume_step
         # After the formation's event: no step may precede its record.
-        self.group.start()
         run.group_left = False
+        try:
+            self.group.start()
+        except FormationFault:  # a rank died before its loop started: the group's failure
+            return self.recovery.on_failure("failed", broken_statuses(self.group.poll()))
         return Running()
 
 

@@ -3,7 +3,8 @@ the actors, verify the checkpoint to resume from (on the ranks), hand each rank 
 wait for every rank's set-up, all within the formation's deadline (`control/deadlines.py`).
 
 `Formation.form` takes what it needs explicitly and returns a `Formed` result, or raises
-`NoRoomForLayout` (re-plan) or `FormationTimedOut` (the run fails with the reason);
+`NoRoomForLayout` (re-plan), `FormationFault` (a rank or node lost on the way: the group's,
+re-planned as a failure) or `FormationTimedOut` (the run fails with the reason);
 `Formation.record` then writes a formed group into the run's state, files and events.
 """
 
@@ -20,6 +21,7 @@ from raytrain_dt.checkpoint.digests import verification_shares
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
+from raytrain_dt.control.copy_holders import CopyHolders, is_memory_point
 from raytrain_dt.control.deadlines import Bound, Deadlines
 from raytrain_dt.control.group import RankGroupLike
 from raytrain_dt.control.node_chaos import Chaos
@@ -80,6 +82,7 @@ class Formation:
     group: RankGroupLike
     deadlines: Deadlines
     recorder: RunRecorder
+    copies: CopyHolders | None = None  # the ranks' in-memory copies (memory_every_steps)
 
     def form(
         self,
@@ -88,8 +91,12 @@ class Formation:
         resume_point: Callable[[], ResumePoint],
         chaos: Chaos,
         incident: RecoveryTimer,
+        begun_step: int,
     ) -> Formed:
-        """Form the group at `decision.layout` on `capacity` (node id -> accelerators)."""
+        """Form the group at `decision.layout` on `capacity` (node id -> accelerators).
+        `begun_step`: the furthest step the run has begun (chaos `at: forming` fires in the
+        first formation once it reaches an action's step). A rank or node lost on the way
+        raises `FormationFault` (from the group), which the coordinator re-plans."""
         dims = decision.layout.dims
         try:
             usable = [(n, capacity[n]) for n in decision.nodes if n in capacity]
@@ -111,6 +118,7 @@ class Formation:
                 counts, self.cfg.cluster.placement_timeout_s, start_timeout_s=bound.seconds
             )
             formed = time.perf_counter()
+            chaos.fire_forming(begun_step, self._node_of_rank)
             resume, resume_step = self._verified_resume_point(resume_point, remaining_s)
             verified = time.perf_counter()
             incident.verified(verified - formed)
@@ -118,17 +126,21 @@ class Formation:
             # Rank faults before the resume point are past; node actions fire when the driver
             # reaches them (they may have waited for an arrival to be in use).
             chaos.mark_rank_faults_fired(resume_step)
-            cfg = replace(self.cfg, chaos=chaos.remaining())
+            cfg = replace(self.cfg, chaos=chaos.for_formation(begun_step))
             specs = rank_specs(
                 cfg,
                 self.shape,
                 decision.layout,
                 self.dataset,
-                self.group.master_endpoint(),
+                self.group.master_endpoint(timeout_s=remaining_s()),
                 self.checkpoint_root,
                 resume,
                 self.model_spec,
             )
+            # A peer lost before it joins holds the others at most for the time left.
+            specs = [replace(spec, join_timeout_s=remaining_s()) for spec in specs]
+            if self.copies is not None:
+                specs = self.copies.assign_peers(specs, self.group.slots)
             setup = self.group.setup(specs, timeout_s=remaining_s())
         except TimeoutError as exc:
             reason = (
@@ -137,6 +149,9 @@ class Formation:
             )
             raise FormationTimedOut(reason, bound) from exc
         return Formed(counts, resume, resume_step, setup, planned_bytes, formed, verified)
+
+    def _node_of_rank(self, rank: int) -> str:
+        return self.group.slots[min(rank, self.group.world_size - 1)].node_id
 
     def record(
         self,
@@ -184,6 +199,10 @@ class Formation:
         if plan is not None:
             (self.run_dir / "plan.json").write_text(json.dumps(plan.to_json(), indent=2))
         lost = max(0, run.failure_step - formed.resume_step)
+        # The actors the last recorded layout trained on, kept by this one; the rest are new.
+        actors = [s.actor_index for s in self.group.slots]
+        kept = [a for a in actors if a in run.layout_actors]
+        run.layout_actors = set(actors)
         self.recorder.event(
             "resize" if old is not None else "start",
             reason=decision.reason,
@@ -197,6 +216,11 @@ class Formation:
             node_ids=[s.node_id for s in self.group.slots],
             rank_setup=formed.rank_setup,
             pids=[s.pid for s in self.group.slots],
+            kept_actors=kept,
+            new_actors=[a for a in actors if a not in kept],
+            # The in-memory copies when the layout changed: bytes held, the slowest recent
+            # copy, the boundaries skipped while one was in flight.
+            **(self.copies.stats() if self.copies else {}),
             **run.incident.formed(form_s, formed.rank_setup),
         )
         self.recorder.model_built(formed.rank_setup)
@@ -212,7 +236,7 @@ class Formation:
         checkpoint byte). A damaged one is marked so and the previous committed one tried."""
         while True:
             ref, step = resume_point()
-            if ref is None:
+            if ref is None or is_memory_point(ref):  # copies in host memory: nothing stored
                 return ref, step
             shares = verification_shares(ref.record["files"], self.group.world_size)
             answers = self.group.verify_checkpoint(ref.uri, shares, timeout_s=remaining_s())

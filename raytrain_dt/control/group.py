@@ -13,12 +13,29 @@ from raytrain_dt.worker.reports import RankStatus
 if TYPE_CHECKING:
     from raytrain_dt.worker.spec import RankSpec
 
+# How Ray words an actor's death when its node died (ray/_raylet, gcs_server in Ray 2.60).
+NODE_DIED = "because its node has died"
+
 
 class Slot(Protocol):
-    """One started actor: where it runs, and its process (for the `resize` event)."""
+    """One started actor: where it runs, its run-wide index and its process (for the `resize`
+    event's `kept_actors` and `new_actors`)."""
 
     node_id: str
+    actor_index: int
     pid: int
+    actor_index: int  # names its in-memory copies (`control/copy_holders.py`)
+    handle: object  # the actor, which peers read copies from
+
+
+class FormationFault(Exception):
+    """A rank actor died (`actor_died`), or a rank's call raised, while the group formed
+    (placement, start, verification, set-up or the loop's start): the formation is a failure
+    like any other, re-planned without the dead. `nodes`: the nodes Ray said died with them."""
+
+    def __init__(self, detail: str, nodes: frozenset[str] = frozenset(), actor_died: bool = True):
+        super().__init__(detail)
+        self.nodes, self.actor_died = nodes, actor_died
 
 
 @runtime_checkable
@@ -50,7 +67,7 @@ class RankGroupLike(Protocol):
         self, counts_by_node: dict[str, int], timeout_s: float, start_timeout_s: float | None = None
     ) -> None: ...
 
-    def master_endpoint(self) -> tuple[str, int]: ...
+    def master_endpoint(self, timeout_s: float | None = None) -> tuple[str, int]: ...
 
     def verify_checkpoint(
         self, uri: str, shares: list[dict[str, dict]], timeout_s: float | None = None
@@ -62,9 +79,13 @@ class RankGroupLike(Protocol):
 
     def poll(self, timeout_s: float = 30.0) -> list[RankStatus]: ...
 
-    def request_checkpoint_and_stop(self, timeout_s: float = 30.0) -> list[int]: ...
+    def request_checkpoint_and_stop(
+        self, timeout_s: float = 30.0, memory_only: bool = False
+    ) -> list[int]: ...
 
-    def teardown(self, grace_s: float, timeout_s: float = 30.0) -> list[int]: ...
+    def teardown(
+        self, grace_s: float, timeout_s: float = 30.0, ranks: list[int] | None = None
+    ) -> list[int]: ...
 
     def drop(self, ranks: list[int]) -> None: ...
 

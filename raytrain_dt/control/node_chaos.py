@@ -34,21 +34,42 @@ class Chaos:
     # Nodes under a simulated preemption notice -> the index of the action that posted it.
     preempting: dict[str, int] = field(default_factory=dict)
 
-    def remaining(self) -> list[ChaosAction]:
-        return [a for i, a in enumerate(self.actions) if i not in self.fired]
+    def for_formation(self, begun_step: int) -> list[ChaosAction]:
+        """The actions a formation's ranks carry: every one not fired, but a rank's `at:
+        forming` fault only in the first formation once the run has begun its step (its
+        target fires it as it joins its peers; it is spent with this formation)."""
+        carried = []
+        for i, a in enumerate(self.actions):
+            if i in self.fired:
+                continue
+            if a.at == "forming" and a.action not in NODE_ACTIONS:
+                if a.at_step > begun_step:
+                    continue
+                self.fired.add(i)
+            carried.append(a)
+        return carried
 
     def mark_rank_faults_fired(self, up_to_step: int) -> None:
-        """After a failure at `up_to_step`, rank faults at or before it have fired."""
+        """After a failure at `up_to_step`, rank faults at or before it have fired (not those
+        of a formation: they fire in the formation that follows)."""
         for i, a in enumerate(self.actions):
-            if a.action not in NODE_ACTIONS and a.at_step <= up_to_step:
+            if a.action not in NODE_ACTIONS and a.at == "step" and a.at_step <= up_to_step:
                 self.fired.add(i)
 
-    def due_node_actions(self, step: int) -> list[tuple[int, ChaosAction]]:
+    def due_node_actions(self, step: int, at: str = "step") -> list[tuple[int, ChaosAction]]:
         return [
             (i, a)
             for i, a in enumerate(self.actions)
-            if i not in self.fired and a.action in NODE_ACTIONS and a.at_step <= step
+            if i not in self.fired and a.action in NODE_ACTIONS and a.at == at and a.at_step <= step
         ]
+
+    def fire_forming(self, begun_step: int, node_of_rank: Callable[[int], str]) -> None:
+        """Fire the `at: forming` actions due once the run has begun `begun_step`: the group's
+        actors are placed and have not set up (`Formation.form`)."""
+        for i, action in self.due_node_actions(begun_step, at="forming"):
+            self.fired.add(i)
+            log.warning("chaos: kill_node during the formation at step %d", begun_step)
+            self.kill_node(node_of_rank(action.target))
 
     def _require_simulated(self, action: ChaosAction) -> None:
         if self.simulated is None:
@@ -73,8 +94,8 @@ class Chaos:
         notice: Callable[[str, str, str], None],
     ) -> None:
         """Fire the node actions due at `step`. `settled`: the layout has committed a
-        checkpoint of its own, or has been formed for long enough, with no actors warming
-        for a grow back; `notice(node, source, detail)` posts a preemption notice."""
+        checkpoint of its own, or has been formed for long enough, and no actors are warming
+        for a grow back (however long they take); `notice(node, source, detail)` posts a preemption notice."""
         # Node actions play out in order: the next waits until an added node is in use (for
         # at most CHAOS_ARRIVAL_WAIT_S). Starting a raylet takes seconds, tiny steps 0.1 s:
         # without this, an arrival and the next fault land at once and the story is not told.

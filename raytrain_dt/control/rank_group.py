@@ -21,9 +21,10 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from raytrain_dt.control.group import NODE_DIED, FormationFault
 from raytrain_dt.control.placement import assign_ranks
 from raytrain_dt.errors import UserError
-from raytrain_dt.worker.reports import RankStatus
+from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus
 
 if TYPE_CHECKING:
     from raytrain_dt.worker.spec import RankSpec
@@ -138,13 +139,13 @@ class RankGroup:
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from raytrain_dt.worker.rank_actor import RankWorker
+        from raytrain_dt.worker.rank_actor import ACTOR_CONCURRENCY_GROUPS, RankWorker
 
         places = self._free_bundles(node_id)[:count]
         if len(places) < count:
             reservation = self._reserve(node_id, count - len(places), timeout_s)
             places += [(reservation.pg, i) for i in range(reservation.size)]
-        actor_cls = ray.remote(RankWorker)
+        actor_cls = ray.remote(concurrency_groups=ACTOR_CONCURRENCY_GROUPS)(RankWorker)
         started = []
         for pg, bundle_index in places:
             handle = actor_cls.options(
@@ -164,11 +165,26 @@ class RankGroup:
         self, node_id: str, count: int, timeout_s: float, start_timeout_s: float | None = None
     ) -> list[ActorSlot]:
         """Start actors on the node and wait for them; a TimeoutError (Ray's GetTimeoutError)
-        once they have not all started within `start_timeout_s`."""
+        once they have not all started within `start_timeout_s`, `FormationFault` when one died
+        while starting (those that did start wait `idle`)."""
         import ray
 
         started = self._start_on_node(node_id, count, timeout_s)
-        reports = ray.get([a.where for a in started], timeout=start_timeout_s)
+        try:
+            reports = _get_all([a.where for a in started], start_timeout_s, [node_id] * count)
+        except FormationFault:
+            # Those that started wait idle for the re-plan; the dead and the rest go.
+            doomed = []
+            for actor in started:
+                try:
+                    self.idle.append(_started_slot(actor, ray.get(actor.where, timeout=0)))
+                except Exception:  # dead, or not started yet
+                    doomed.append(_started_slot(actor, {"node_id": node_id}))
+            self._release(doomed)
+            raise
+        except ray.exceptions.GetTimeoutError:
+            self._release([_started_slot(a, {"node_id": node_id}) for a in started])
+            raise
         return [_started_slot(a, r) for a, r in zip(started, reports)]
 
     # --- actors warmed ahead of need ---------------------------------------------------------
@@ -244,7 +260,16 @@ class RankGroup:
                 spare.remove(slot)
             keep += here
             if count > len(here):
-                keep += self._create_on_node(node_id, count - len(here), timeout_s, start_timeout_s)
+                try:
+                    created = self._create_on_node(
+                        node_id, count - len(here), timeout_s, start_timeout_s
+                    )
+                except (FormationFault, TimeoutError):
+                    # Nothing formed: the group stays as it was, and the actors started for
+                    # it so far wait idle for the re-plan.
+                    self.idle += [s for s in keep if s not in [*self.slots, *self.idle]]
+                    raise
+                keep += created
         reports = [{"node_id": s.node_id, "actor_index": s.actor_index} for s in keep]
         ranks = assign_ranks(reports)
         self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]
@@ -261,10 +286,11 @@ class RankGroup:
     def world_size(self) -> int:
         return len(self.slots)
 
-    def master_endpoint(self) -> tuple[str, int]:
-        import ray
-
-        return self.slots[0].ip, ray.get(self.slots[0].handle.free_port.remote())
+    def master_endpoint(self, timeout_s: float | None = None) -> tuple[str, int]:
+        """Rank 0's address and a free port there; `FormationFault` when rank 0 died, a
+        TimeoutError past `timeout_s`."""
+        rank0 = self.slots[0]
+        return rank0.ip, _get_all([rank0.handle.free_port.remote()], timeout_s, [rank0.node_id])[0]
 
     def setup(self, specs: list[RankSpec], timeout_s: float | None = None) -> list[dict]:
         """Every rank joins the process group and builds its engine, state and data (a
@@ -281,33 +307,40 @@ class RankGroup:
         """Every rank starts its train loop (in the background: `poll` follows it)."""
         self._call_all("start")
 
-    def teardown(self, grace_s: float, timeout_s: float = 30.0) -> list[int]:
-        """Every rank leaves its layout (`RankWorker.teardown`); the ranks that cannot be
-        reused (stuck, dead or silent)."""
-        return self._try_call_all("teardown", timeout_s, (grace_s,))
+    def teardown(
+        self, grace_s: float, timeout_s: float = 30.0, ranks: list[int] | None = None
+    ) -> list[int]:
+        """Every rank (or these `ranks`) leaves its layout (`RankWorker.teardown`); the ranks
+        that cannot be reused (stuck, dead or silent)."""
+        return self._try_call_all("teardown", timeout_s, (grace_s,), ranks, CONTROL_GROUP)
 
-    def request_checkpoint_and_stop(self, timeout_s: float = 30.0) -> list[int]:
-        """Every rank saves at the next step boundary and stops there; the ranks not told."""
-        return self._try_call_all("request_checkpoint_and_stop", timeout_s)
+    def request_checkpoint_and_stop(
+        self, timeout_s: float = 30.0, memory_only: bool = False
+    ) -> list[int]:
+        """Every rank saves at the next step boundary and stops there (`memory_only`: into its
+        in-memory copies, not storage); the ranks not told."""
+        return self._try_call_all("request_checkpoint_and_stop", timeout_s, (memory_only,))
 
     def _call_all(
         self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None
     ) -> list:
         """Call `method` on every rank concurrently (collectives need all ranks in) and wait:
-        a TimeoutError (Ray's GetTimeoutError) once that is more than `timeout_s`."""
-        import ray
-
+        a TimeoutError (Ray's GetTimeoutError) once that is more than `timeout_s`, `FormationFault`
+        as soon as one of them died."""
         refs = [
             getattr(slot.handle, method).remote(*(per_rank_args[rank] if per_rank_args else ()))
             for rank, slot in enumerate(self.slots)
         ]
-        return ray.get(refs, timeout=timeout_s)
+        return _get_all(refs, timeout_s, [slot.node_id for slot in self.slots])
 
     def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         """Every rank's status; an actor that died (or whose node died) is state "dead"."""
         import ray
 
-        refs = [slot.handle.poll.remote() for slot in self.slots]
+        refs = [
+            slot.handle.poll.options(concurrency_group=CONTROL_GROUP).remote()
+            for slot in self.slots
+        ]
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
         statuses = []
         for rank, ref in enumerate(refs):
@@ -326,14 +359,27 @@ class RankGroup:
                 )
         return statuses
 
-    def _try_call_all(self, method: str, timeout_s: float = 30.0, args: tuple = ()) -> list[int]:
-        """Call `method(*args)` on every rank, tolerating dead ones; returns the ranks that
-        failed (raised, timed out, or answered False)."""
+    def _try_call_all(
+        self,
+        method: str,
+        timeout_s: float = 30.0,
+        args: tuple = (),
+        ranks: list[int] | None = None,
+        concurrency_group: str | None = None,
+    ) -> list[int]:
+        """Call `method(*args)` on every rank (or these `ranks`; in the actor's
+        `concurrency_group`), tolerating dead ones; returns the ranks that failed (raised,
+        timed out, or answered False)."""
         import ray
 
-        refs = [getattr(slot.handle, method).remote(*args) for slot in self.slots]
+        ranks = list(range(self.world_size)) if ranks is None else ranks
+        options = {"concurrency_group": concurrency_group} if concurrency_group else {}
+        refs = {
+            rank: getattr(self.slots[rank].handle, method).options(**options).remote(*args)
+            for rank in ranks
+        }
         failed = []
-        for rank, ref in enumerate(refs):
+        for rank, ref in refs.items():
             try:
                 if ray.get(ref, timeout=timeout_s) is False:
                     failed.append(rank)
@@ -370,9 +416,39 @@ def _started_slot(actor: StartingActor, where: dict) -> ActorSlot:
     return ActorSlot(
         actor.handle,
         where["node_id"],
-        where["actor_index"],
-        where["ip"],
+        where.get("actor_index", -1),
+        where.get("ip", ""),
         actor.pg,
         actor.bundle_index,
-        where["pid"],
+        where.get("pid", 0),
     )
+
+
+def _get_all(refs: list, timeout_s: float | None, nodes: list[str]) -> list:
+    """The results of `refs` (calls on actors on `nodes`), waited for together: `FormationFault` as
+    soon as one actor is dead (not after the others: survivors of a formation may wait on the
+    dead one in a collective), a TimeoutError (Ray's GetTimeoutError) past `timeout_s`."""
+    import ray
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    pending = list(refs)
+    while pending:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
+        if not ready:
+            raise ray.exceptions.GetTimeoutError(
+                f"{len(pending)} of {len(refs)} calls not answered within {timeout_s:.0f}s"
+            )
+        try:
+            ray.get(ready)
+        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
+            node = nodes[next(i for i, ref in enumerate(refs) if ref == ready[0])]
+            died = isinstance(exc, ray.exceptions.RayActorError)
+            lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
+            # An actor's death says so first; a raised call ends with its exception.
+            raise FormationFault(
+                f"{type(exc).__name__} on node {node[:12]}: {lines[0 if died else -1].strip()}",
+                frozenset({node} if NODE_DIED in str(exc) else ()),
+                actor_died=died,
+            ) from exc
+    return ray.get(refs)

@@ -12,12 +12,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.control.cluster import ClusterView
+from raytrain_dt.control.copy_holders import CopyHolders, live_actors
 from raytrain_dt.control.deadlines import Bound, Deadlines
-from raytrain_dt.control.group import RankGroupLike
+from raytrain_dt.control.group import NODE_DIED, FormationFault, RankGroupLike
 from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Deciding, Draining, State, Stopped
@@ -27,9 +28,9 @@ from raytrain_dt.worker.reports import RankStatus
 log = logging.getLogger("raytrain_dt.control.coordinator")
 
 POLL_INTERVAL_S = 0.1
-FAILED_TEARDOWN_GRACE_S = 0.2
-# How Ray words an actor's death when its node died (ray/_raylet, gcs_server in Ray 2.60).
-NODE_DIED = "because its node has died"
+# After a failure, how long a survivor's loop may take to return once every peer whose loop
+# ended has closed its connections (a collective waiting on one of them then raises at once).
+FAILED_TEARDOWN_GRACE_S = 2.0
 
 
 @dataclass
@@ -43,15 +44,24 @@ class Recovery:
     store: CheckpointStore
     # Takes the reports in a poll's statuses (the coordinator's report intake).
     absorb: Callable[[list[RankStatus]], None]
+    copies: CopyHolders | None = None  # the ranks' in-memory copies (memory_every_steps)
 
-    def leave_layout(self, grace_s: float = 2.0) -> None:
+    def leave_layout(self, grace_s: float = 2.0, ended: list[int] | None = None) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports
         of saves that finished meanwhile (they decide what is committed), and let go of the
         actors that cannot be reused (hung or dead). `grace_s`: how long a rank's loop may
-        take to end (a healthy one: to its next step boundary)."""
-        broken = self.group.teardown(grace_s, timeout_s=30)
+        take to end (a healthy one: to its next step boundary). `ended`: ranks whose loop has
+        ended (failed): they leave first, closing their connections, so that a survivor
+        blocked in a collective waiting on one of them returns (gloo cannot be aborted; a
+        closed connection ends its wait at once) and is kept."""
+        broken = []
+        if ended:
+            broken = self.group.teardown(grace_s, timeout_s=30, ranks=ended)
+        rest = [r for r in range(self.group.world_size) if r not in (ended or [])]
+        if rest:
+            broken += self.group.teardown(grace_s, timeout_s=30, ranks=rest)
         self.absorb(self.group.poll())
-        self.group.drop(broken)
+        self.group.drop(sorted(broken))
         self.run.group_left = True
 
     def on_failure(
@@ -61,7 +71,9 @@ class Recovery:
         missed, recorded with the failure). Returns the decision due."""
         run = self.run
         run.incident.cause(run.last_healthy)
+        run.incident.detected(time.perf_counter())
         run.shrunk_at = run.last_healthy
+        leaving = time.perf_counter()
         if health == "failed":
             broken = self.settle(broken)
         errors = {s.rank: (s.error or s.state).strip().splitlines()[0] for s in broken}
@@ -82,14 +94,53 @@ class Recovery:
         if health == "hung":  # threads stuck in a collective cannot be reused: replace all
             self.group.drop(list(range(self.group.world_size)))
         else:  # dead ones go; survivors are torn down now, so the plan counts only reusable ones
-            self.group.drop([s.rank for s in broken if s.state != "failed"])
-            # A survivor still "running" once the failure has settled is stuck in a collective
-            # with a failed peer (gloo waits out its timeout): no use waiting for its loop. Its
-            # teardown still lets its save in flight finish, then it is replaced (in the
-            # background).
-            self.leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S)
+            # A survivor still "running" once the failure has settled is blocked in a
+            # collective with a peer whose loop ended: those leave first (`leave_layout`).
+            self._drop_dead_then_leave(broken)
+        run.incident.left_layout(time.perf_counter() - leaving)
         run.left_layout()
         return Deciding(health)
+
+    def on_formation_fault(self, fault: FormationFault) -> Deciding:
+        """Actors died while the group formed (a rank, or its node): a failure like any other.
+        The dead actors go, their nodes are marked lost, the survivors leave whatever they had
+        begun (set-up included) and wait for the re-plan."""
+        run = self.run
+        run.incident.cause(time.perf_counter())
+        # By position: an actor that has not set up yet reports its previous layout's rank.
+        statuses = [replace(s, rank=i) for i, s in enumerate(self.group.poll())]
+        dead = [s for s in statuses if s.state == "dead"]
+        lost = set(fault.nodes) | lost_with_node(dead, [s.node_id for s in self.group.slots])
+        lost |= {a.node_id for a in [*self.group.slots, *self.group.idle]} - {
+            n.node_id for n in self.cluster.nodes()
+        }
+        run.lost_nodes |= lost
+        errors = {s.rank: (s.error or s.state).strip().splitlines()[0] for s in dead}
+        self.recorder.event(
+            "failure",
+            health="failed",
+            phase="forming",
+            step=run.step,
+            ranks=errors,
+            detail=str(fault),
+            lost_nodes=sorted(lost),
+        )
+        log.warning("a formation failed at step %d: %s; re-planning", run.step, fault)
+        # A dead actor or node is not the step's fault; a rank's set-up that raised may be.
+        run.streak.failed(run.step, training_fault=not fault.actor_died)
+        self.group.drop_spares(lost)
+        self._drop_dead_then_leave([s for s in statuses if s.state != "running"])
+        run.left_layout()
+        return Deciding("failed")
+
+    def _drop_dead_then_leave(self, broken: list[RankStatus]) -> None:
+        """Let the dead (or silent) ranks go, then tear the rest down, those whose loop or
+        call failed first (`leave_layout`)."""
+        dead = [s.rank for s in broken if s.state != "failed"]
+        self.group.drop(dead)
+        # Ranks shift down past the dropped ones.
+        ended = [s.rank - sum(d < s.rank for d in dead) for s in broken if s.state == "failed"]
+        self.leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S, ended=ended)
 
     def settle(
         self, broken: list[RankStatus], wait_s: float = 5.0, quiet_s: float = 0.3
@@ -116,7 +167,10 @@ class Recovery:
         stop, with `stop_reason`). `saving`: a save is in flight (it lengthens the bound)."""
         run = self.run
         started = time.perf_counter()
-        self.group.request_checkpoint_and_stop(timeout_s=30)
+        # Item 4 of issue 19: where every leaving rank's copy has a peer that stays, the state
+        # stays in host memory (copies) and nothing goes through storage.
+        in_memory = self.copies is not None and self.copies.cover_leaving(set(run.draining))
+        self.group.request_checkpoint_and_stop(timeout_s=30, memory_only=in_memory)
         bound = self.deadlines.drain_bound(saving=saving)
         deadline = time.time() + bound.seconds
         while True:
@@ -131,12 +185,16 @@ class Recovery:
             if broken:
                 return self.on_failure("failed", broken)
             if all(s.state == "done" for s in statuses):
+                if in_memory and self._copied_for_staying(run.step):
+                    break
                 latest = self.store.committed()
                 if latest and latest[-1].step == run.step:
                     break
             time.sleep(POLL_INTERVAL_S)
         run.incident.drained(time.perf_counter() - started)
-        self.recorder.event("drained", step=run.step, reason=state.decision.reason)
+        self.recorder.event(
+            "drained", step=run.step, reason=state.decision.reason, in_memory=in_memory
+        )
         if stop_reason:
             log.warning(
                 "stopped at step %d (%s); the same run.dir resumes from here", run.step, stop_reason
@@ -152,6 +210,11 @@ class Recovery:
         run.draining.clear()
         # Re-plan now: the node under notice may be gone, or the capacity may have changed.
         return Deciding("ok", drained=state.decision)
+
+    def _copied_for_staying(self, step: int) -> bool:
+        """The copies of `step` are complete on actors not on nodes under notice."""
+        staying = [s for s in self.group.slots if s.node_id not in self.run.draining]
+        return self.copies.complete(step, live_actors([*staying, *self.group.idle]))
 
 
 def lost_with_node(broken: list[RankStatus], node_of_rank: list[str]) -> set[str]:

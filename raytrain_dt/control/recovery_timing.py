@@ -26,9 +26,20 @@ class RecoveryTimer:
         if self.since is None:
             self.since = at
 
+    def detected(self, at: float) -> None:
+        """The driver saw the failure at `at` (perf_counter): a poll found a rank broken.
+        Detection ends there; collecting its peers and tearing the layout down (`left_layout`)
+        are the re-form's."""
+        if "detection_s" not in self.fields and self.since is not None:
+            self.fields["detection_s"] = at - self.since
+
+    def left_layout(self, seconds: float) -> None:
+        """The failed layout's teardown (settling on the broken ranks, leaving the layout)."""
+        self.fields["teardown_s"] = self.fields.get("teardown_s", 0.0) + seconds
+
     def decided(self, started: float, finished: float) -> None:
         self.cause(started)
-        self.fields["detection_s"] = started - self.since
+        self.fields.setdefault("detection_s", started - self.since)
         self.fields["replan_s"] = finished - started
 
     def drained(self, seconds: float) -> None:
@@ -46,7 +57,7 @@ class RecoveryTimer:
             return max((r.get(key, 0.0) for r in rank_setup), default=0.0)
 
         self.fields.update(
-            reform_s=group_s + slowest("process_group_s"),
+            reform_s=self.fields.get("teardown_s", 0.0) + group_s + slowest("process_group_s"),
             model_build_s=slowest("model_build_s"),
             checkpoint_load_s=slowest("checkpoint_load_s"),
             # The first step's one-time costs, paid before it (`RankWorker._build`).

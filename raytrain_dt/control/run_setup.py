@@ -129,6 +129,7 @@ def rank_specs(
                 end_step=cfg.trainer.steps,
                 checkpoint_root=checkpoint_root,
                 resume_from=resume.path if resume else None,
+                memory_resume=resume.record.get("memory") if resume else None,
                 model=model,
             )
         )

@@ -29,6 +29,8 @@ class RunState:
     formed: bool = False
     # The group's actors have left their layout (torn down): a formation need not again.
     group_left: bool = False
+    # The actors (`actor_index`) of the latest formed layout: the next one's `kept_actors`.
+    layout_actors: set[int] = field(default_factory=set)
     # The latest plan: the decision's layout is its best, and plan.json records it.
     last_plan: Plan | None = None
 
@@ -74,5 +76,8 @@ class RunState:
         return max(self.step, self.failed_step)
 
     def left_layout(self) -> None:
-        """No group trains any more (a failure): plan from scratch."""
-        self.previous_layout, self.layout, self.layout_nodes = self.layout, None, ()
+        """No group trains any more (a failure): plan from scratch. After a failed formation
+        the layout before stays the previous one (the next resize's old layout)."""
+        if self.layout is not None:
+            self.previous_layout = self.layout
+        self.layout, self.layout_nodes = None, ()

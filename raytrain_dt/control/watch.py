@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tqdm import tqdm
 
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
+from raytrain_dt.control.copy_holders import CopyHolders
 from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.group import RankGroupLike
 from raytrain_dt.control.node_chaos import CHAOS_ARRIVAL_WAIT_S, Chaos
@@ -22,7 +23,7 @@ from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Deciding, Finished, Running, State
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.worker.reports import RankStatus, StepReport, StoppedReport
+from raytrain_dt.worker.reports import MemoryCopyReport, RankStatus, StepReport, StoppedReport
 
 log = logging.getLogger("raytrain_dt.control.coordinator")
 
@@ -42,11 +43,14 @@ class GroupWatch:
     notice: Callable[[str, str, str], None]
     recovery: Recovery | None = None  # set once built (it takes this watch's reports)
     tracker: CheckpointTracker | None = None  # the formed layout's (one per formation)
+    copies: CopyHolders | None = None  # where the ranks' in-memory copies are
 
     def handle_reports(self, statuses: list[RankStatus]) -> None:
         run = self.run
         # The layout that sent them (after a failure, the group is still the old layout's).
         layout = run.layout or run.previous_layout
+        if layout is None:  # no layout has trained yet (a first formation failed)
+            return
         dims = layout.dims
         for status in statuses:
             notice = status.notice
@@ -63,6 +67,9 @@ class GroupWatch:
                         )
                     if report.metrics is not None:
                         self._on_step(report, layout)
+                elif isinstance(report, MemoryCopyReport):
+                    if self.copies is not None:
+                        self.copies.absorb(report)
                 elif not isinstance(report, StoppedReport):
                     self.tracker.on_report(report)
 
@@ -101,11 +108,13 @@ class GroupWatch:
             )
             return self.recovery.on_failure("hung", [], bound)
         young = time.time() - run.last_formed_at < CHAOS_ARRIVAL_WAIT_S
+        # Actors warming for a grow back hold the next fault however long they take to start
+        # (on a busy host, longer than CHAOS_ARRIVAL_WAIT_S): the story's order is kept.
         warming = bool(self.group.starting or self.group.idle)
         self.chaos.fire_node_actions(
             run.step,
             run.layout_nodes,
-            settled=not (young and (self.tracker.last_committed is None or warming)),
+            settled=not warming and not (young and self.tracker.last_committed is None),
             node_of_rank=self.node_of_rank,
             notice=self.notice,
         )

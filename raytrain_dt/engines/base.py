@@ -51,8 +51,9 @@ class StepResult:
 
 
 class Engine(Protocol):
-    # Whether `save_async` and a `storage_writer` for `save` are supported (FSDP2's DCP writes:
-    # yes; DeepSpeed writes its own files: no, and `kill_rank_mid_save` is refused for it).
+    # Whether `save_async`, a `storage_writer` for `save`, in-memory copies (`stage_copy`, and a
+    # `storage_reader` for `load`) are supported (FSDP2's DCP: yes; DeepSpeed writes its own
+    # files: no, `kill_rank_mid_save` is refused for it and it resumes from durable checkpoints).
     supports_async_save: ClassVar[bool]
 
     def warm_up(self) -> None:
@@ -77,8 +78,15 @@ class Engine(Protocol):
         """Stage the state and write it in the background on `process_group` (only where
         `supports_async_save`); the future completes when this rank's files are written."""
 
-    def load(self, checkpoint_dir: str) -> None:
-        """Read model and optimizer state into this layout (collective)."""
+    def stage_copy(self, stager) -> Future:
+        """Copy this rank's model and optimizer shards into `stager`'s host buffers (an
+        in-memory copy; only where `supports_async_save`); the next optimizer step waits for
+        the copy. The future resolves to the staged state dict."""
+
+    def load(self, checkpoint_dir: str, storage_reader=None) -> None:
+        """Read model and optimizer state into this layout (collective); `storage_reader`
+        replaces the DCP reader of `checkpoint_dir` (an in-memory copy's; only where
+        `supports_async_save`)."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded model parameters by name (collective; for tests and export)."""

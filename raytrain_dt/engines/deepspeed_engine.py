@@ -285,6 +285,9 @@ class DeepSpeedEngine:
     def save_async(self, checkpoint_dir: str, process_group, storage_writer=None, digests=None):
         raise NotImplementedError("DeepSpeed saves synchronously (supports_async_save is False)")
 
+    def stage_copy(self, stager):
+        raise NotImplementedError("DeepSpeed keeps no in-memory copies (supports_async_save)")
+
     def load(self, checkpoint_dir: str) -> None:
         path = _local_path(checkpoint_dir)
         saved = saved_layout(path / TAG)
@@ -295,7 +298,10 @@ class DeepSpeedEngine:
                 f"engine.zero_stage: {checkpoint_dir} was written with zero_stage=0 (no ZeRO "
                 f"partitions); resume with zero_stage=0, not {self.layout.zero_stage}"
             )
-        if saved is not None and saved != current:
+        # The same DP size and stage count, but blocks moved between stages (another
+        # `parallel.pp_layers`): DeepSpeed's stage files no longer match the stages either.
+        moved = saved is not None and saved == current and self._stages_moved(path / TAG)
+        if saved is not None and (saved != current or moved):
             if self.layout.zero_stage == 0:
                 raise ValueError(
                     f"{checkpoint_dir}: a ZeRO checkpoint (DP size {saved[0]}) cannot be loaded "
@@ -313,12 +319,13 @@ class DeepSpeedEngine:
             # Another DP size or pipeline split: DeepSpeed's own loader refuses it; the
             # universal format is layout-free. Converted once, by rank 0, next to the original.
             log.info(
-                "resharding %s: DP %d -> %d, pp %d -> %d",
+                "resharding %s: DP %d -> %d, pp %d -> %d%s",
                 checkpoint_dir,
                 saved[0],
                 current[0],
                 saved[2],
                 current[2],
+                " (blocks moved between stages)" if moved else "",
             )
             tag = UNIVERSAL_TAG
             if dist.get_rank() == 0 and not (path / tag).is_dir():
@@ -352,6 +359,11 @@ class DeepSpeedEngine:
                 state["step"] = state["step"].clone()
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {checkpoint_dir}")
+
+    def _stages_moved(self, tag_dir: Path) -> bool:
+        """Whether a checkpoint of this layout's stage count holds other blocks per stage than
+        this run's split; one stage cannot move (the pipeline engine overrides this)."""
+        return False
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master parameters by name (collective: ZeRO partitions are gathered)."""

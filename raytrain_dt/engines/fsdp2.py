@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.export import model_tensors
+from raytrain_dt.checkpoint.memory_files import CopyReader, load_packed
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
@@ -174,7 +175,13 @@ class FSDP2Engine:
 
     # --- checkpoint state ----------------------------------------------------------------------
     _stager: ReusableStager | None = None  # created by the first async save, then reused
-    staging_wait_s = 0.0  # how long the optimizer waited for the last async save's copy
+    staging_wait_s = 0.0  # how long the last optimizer step waited for staged copies
+    # Copies (async saves, in-memory copies) the next optimizer step waits for, and the one
+    # pre-hook that waits: registered once, never removed inside `step`'s loop over its hooks
+    # (a second hook removing itself there raised "OrderedDict mutated during iteration" when
+    # a save and an in-memory copy were staged from the same step).
+    _staging: list[Future] | None = None
+    _staging_hook = None
 
     def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
         """`digests`: records each file this rank writes, hashed as written. `storage_writer`
@@ -210,26 +217,42 @@ class FSDP2Engine:
         return response.upload_completion
 
     def _hold_optimizer_until(self, staged: Future) -> None:
-        def wait_for_staging(*_) -> None:
-            handle.remove()
-            started = time.perf_counter()
+        if self._staging_hook is None:
+            self._staging = []
+            self._staging_hook = self.optimizer.register_step_pre_hook(self._wait_for_staging)
+        self._staging.append(staged)
+
+    def _wait_for_staging(self, *_) -> None:
+        pending, self._staging = self._staging, []
+        started = time.perf_counter()
+        for staged in pending:
             # A failed copy fails the save (its write future), not the training step.
             with contextlib.suppress(Exception):
                 staged.result()
-            self.staging_wait_s = time.perf_counter() - started
+        self.staging_wait_s = time.perf_counter() - started
 
-        self.staging_wait_s = 0.0
-        handle = self.optimizer.register_step_pre_hook(wait_for_staging)
-
-    def load(self, checkpoint_dir: str) -> None:
+    def stage_copy(self, stager: ReusableStager) -> Future:
+        """Copy model and optimizer shards into `stager`'s host buffers on its thread (an
+        in-memory copy, `worker/peer_copies.py`); the next optimizer step waits for the copy,
+        as for an async save. Returns the future of the staged state dict."""
         model_sd, optim_sd = self._state_dicts()
+        staged = stager.stage({"model": model_sd, "optim": optim_sd})
+        self._hold_optimizer_until(staged)
+        return staged
+
+    def load(self, checkpoint_dir: str, storage_reader=None) -> None:
+        model_sd, optim_sd = self._state_dicts()
+        reader = storage_reader or dcp_reader(checkpoint_dir)
         # Every wrong shape in one error, before anything is read (DCP's metadata alone). A
         # pipeline stage checks only the tensors it holds.
         ours = tensor_shapes(model_sd)
-        saved = {n: list(size) for n, (size, _) in model_tensors(checkpoint_dir).items()}
+        saved = {n: list(size) for n, (size, _) in model_tensors(checkpoint_dir, reader).items()}
         check_fits(checkpoint_dir, {n: saved[n] for n in ours if n in saved}, ours)
         state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=dcp_reader(checkpoint_dir))
+        if isinstance(reader, CopyReader):  # in-memory copies are written packed
+            state = load_packed(state, reader)
+        else:
+            dcp.load(state, storage_reader=reader)
         set_state_dict(
             self.model,
             self.optimizer,

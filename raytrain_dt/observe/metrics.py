@@ -32,6 +32,7 @@ STEP_FIELDS = (
     "data_wait_s",
     "consumed_samples",
     "mfu",
+    "global_batch",
 )
 
 

@@ -1,8 +1,9 @@
 """`raytrain-dt report RUN_DIR`: `report.html` with PNG plots, and the summary as text.
 
 Plots (in RUN_DIR/report/): loss against step and against wall time, tokens/s (and MFU),
-world size and layout over time with failures, preemption notices and resizes marked, and the
-goodput breakdown defined in `observe/goodput.py`. Everything is read from metrics.jsonl and
+the real global batch of each step (smaller than trainer.global_batch while a batch tolerance
+lets it drop), world size and layout over time with failures, preemption notices and resizes
+marked, and the goodput breakdown defined in `observe/goodput.py`. Everything is read from metrics.jsonl and
 events.jsonl, so it works on a finished, failed or running run. `train` renders it at the end;
 a failure to render only warns.
 """
@@ -20,7 +21,7 @@ from raytrain_dt.topology.layout import Layout
 
 log = logging.getLogger(__name__)
 
-PLOTS = ("loss_vs_step", "loss_vs_time", "tokens_per_s", "world_size", "goodput")
+PLOTS = ("loss_vs_step", "loss_vs_time", "tokens_per_s", "global_batch", "world_size", "goodput")
 MARKERS = {
     "failure": ("tab:red", "failure"),
     "preemption_notice": ("tab:orange", "preemption"),
@@ -93,6 +94,12 @@ def render_report(run_dir: str | Path) -> Report:
             twin.plot(steps, [100 * m.get("mfu", 0.0) for m in metrics], color="tab:green")
             twin.set_ylabel("MFU (%)", color="tab:green")
 
+    def global_batch(ax):
+        rows = [m for m in metrics if "global_batch" in m]  # runs before it was recorded: none
+        ax.step([m["step"] for m in rows], [m["global_batch"] for m in rows], where="post")
+        ax.set(xlabel="step", ylabel="samples per step", title="Real global batch")
+        ax.set_ylim(bottom=0, top=max([m["global_batch"] for m in rows], default=1) * 1.2)
+
     def world_size(ax):
         names: dict[str, str] = {}  # layout -> letter, in order of first use
         for start, end, size, text in _world_size_segments(events, t0, t_end):
@@ -141,6 +148,7 @@ def render_report(run_dir: str | Path) -> Report:
         "loss_vs_step": loss_vs_step,
         "loss_vs_time": loss_vs_time,
         "tokens_per_s": tokens_per_s,
+        "global_batch": global_batch,
         "world_size": world_size,
         "goodput": goodput,
     }

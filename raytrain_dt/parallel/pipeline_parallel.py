@@ -1,6 +1,7 @@
 """Pipeline parallelism: cut the decoder into stages and drive them with a torch schedule.
 
-The model is split by hand (no tracing) into `pp * virtual_stages` stages. A stage is the
+The model is split by hand (no tracing) into `pp * virtual_stages` stages, of the sizes
+`topology/pipeline_stages.py` gives (balanced by cost, or `parallel.pp_layers`). A stage is the
 decoder with the layers it does not own removed from `layers` and with `tok_embeddings` (all but
 the first stage) or `norm` and `output` (all but the last) set to None, so it keeps the full
 model's parameter names and checkpoints stay layout-free. Stage s lives on pp rank s % pp
@@ -32,13 +33,14 @@ from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.models.llama import next_token_loss
 from raytrain_dt.models.model_spec import ModelParts, ModelSpec, get_path, llama_spec, set_path
 from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.pipeline_stages import (
+    pp_layers_refusal,
+    split_of,
+    stage_indices,
+    too_few_microbatches,
+)
 
 log = logging.getLogger(__name__)
-
-# Cost of the embedding (first stage) and of the final norm plus head (last stage), in layers.
-# Their matmuls are vocab x dim, about one block's worth for small vocabularies; what matters is
-# that the end stages get fewer blocks than the middle ones.
-END_COST = 1
 
 
 def validate_pipeline(layout: Layout, n_layers: int, tie_embeddings: bool) -> None:
@@ -59,6 +61,9 @@ def validate_pipeline(layout: Layout, n_layers: int, tie_embeddings: bool) -> No
             f"parallel.pp: {pp} x parallel.virtual_stages {v} = {pp * v} stages exceed "
             f"model.n_layers={n_layers} (every stage needs at least one layer)"
         )
+    refusal = pp_layers_refusal(layout.pp_layers, n_layers, pp, v) or too_few_microbatches(layout)
+    if refusal:
+        raise ValueError(refusal)
     if tie_embeddings:
         # The first and last stages would each need the one shared weight.
         raise ValueError("parallel.pp: tied embeddings with pipeline parallelism are not supported")
@@ -67,33 +72,6 @@ def validate_pipeline(layout: Layout, n_layers: int, tie_embeddings: bool) -> No
             f"trainer.grad_accum: {layout.grad_accum} micro-batches must be a multiple of "
             f"parallel.pp={pp} for the interleaved schedule"
         )
-
-
-def stage_layer_counts(n_layers: int, num_stages: int, end_cost: int = END_COST) -> list[int]:
-    """Blocks per stage, minimising the largest stage cost (blocks + end costs).
-
-    Deterministic: the smallest feasible bound is found first, then stages are filled front to
-    back up to it while leaving at least one block for each later stage.
-    """
-    if num_stages == 1:
-        return [n_layers]
-    extra = [end_cost] + [0] * (num_stages - 2) + [end_cost]
-    bound = -(-(n_layers + 2 * end_cost) // num_stages)
-    while True:
-        counts, left = [], n_layers
-        for s in range(num_stages):
-            later = num_stages - s - 1
-            take = left - later if later == 0 else min(bound - extra[s], left - later)
-            counts.append(take)
-            left -= take
-        if all(c >= 1 and c + e <= bound for c, e in zip(counts, extra, strict=True)):
-            return counts
-        bound += 1
-
-
-def stage_indices(pp_rank: int, pp: int, virtual_stages: int) -> list[int]:
-    """Stages held by one pp rank, looped: rank r holds r, r + pp, r + 2 pp, ..."""
-    return [pp_rank + v * pp for v in range(virtual_stages)]
 
 
 def split_model(
@@ -106,7 +84,7 @@ def split_model(
     n_layers = spec.shape.n_layers
     validate_pipeline(layout, n_layers, spec.shape.tie_embeddings)
     num_stages = layout.dims.pp * layout.virtual_stages
-    counts = stage_layer_counts(n_layers, num_stages)
+    counts = split_of(spec.shape, layout.dims.pp, layout.virtual_stages, layout.pp_layers)
     starts = [sum(counts[:s]) for s in range(num_stages)]
     blocks = spec.blocks(model)
     names = list(blocks.keys())

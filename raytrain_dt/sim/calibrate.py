@@ -8,7 +8,10 @@ its `start`/`resize` event, `control/recovery_timing.py`):
 - periodic checkpoints: the median `stall_s` of the `checkpoint` events; the JIT save: from the
   drained step's metrics line to its `drained` event;
 - detection, re-plan, re-form (+ model build, data start) and checkpoint load: the first restart
-  after a failure (actors reused); the first step's extra time: that restart's `first_step`;
+  after a failure (actors reused), or without one (a run with notices only) the first resize;
+  the first step's extra time: that formation's `first_step`; the in-memory restore and
+  hand-over (`Costs.memory_restore_s`, `memory_copy_s`): the same load and JIT save, as
+  measured (a run with in-memory copies measures those);
 - actor start: how much longer the first growth (new actors on a new node) took to form;
 - node arrival lag: from the step a node was added at to the moment the coordinator saw it (the
   growth decision's time minus its `detection_s`, which counts from the node's appearance).
@@ -59,7 +62,8 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
     step_s = _step_times(metrics, events)
     time_of_step = {m["step"]: m["time"] for m in metrics}
     resizes = [e for e in events if e["event"] == "resize"]
-    restart = next(e for e in resizes if "drain_s" not in e)  # a failure: no drain before it
+    # A failure's restart (no drain before it), else the first resize (a notice's).
+    restart = next((e for e in resizes if "drain_s" not in e), resizes[0])
     grown = [e for e in resizes if "drain_s" in e]
     first = [e for e in events if e["event"] == "first_step" and e["time"] > restart["time"]]
     world = restart["new_layout"]["dims"]["world_size"]
@@ -69,6 +73,7 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
         replan_s=restart.get("replan_s", 0.0),
         reform_s=_formation_s(restart) - restart.get("checkpoint_load_s", 0.0),
         ckpt_load_s=restart.get("checkpoint_load_s", 0.0),
+        memory_restore_s=restart.get("checkpoint_load_s", 0.0),
         # Growth onto a joined node waits for its pre-started actors: from the node's
         # appearance to the decision (the grow resize's detection) is their start.
         actor_start_s=grown[0].get("detection_s", 0.0) if grown else 0.0,
@@ -78,7 +83,8 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
     )
     drained = [e for e in events if e["event"] == "drained" and e["step"] in time_of_step]
     if drained:
-        costs = replace(costs, ckpt_save_s=drained[0]["time"] - time_of_step[drained[0]["step"]])
+        handover = drained[0]["time"] - time_of_step[drained[0]["step"]]
+        costs = replace(costs, ckpt_save_s=handover, memory_copy_s=handover)
     decisions = [e for e in events if e["event"] == "decision" and "capacity grew" in e["reason"]]
     if add_step in time_of_step and decisions and grown:
         seen = decisions[0]["time"] - grown[0]["detection_s"]

@@ -17,6 +17,7 @@ POLICY_TITLES = {
 }
 COLUMNS = [  # (key, header, format)
     ("policy", "policy", "{}"),
+    ("batch", "batch", "{}"),
     ("goodput", "goodput", "{:.3f}"),
     ("steps", "steps", "{:,}"),
     ("steps_lost", "steps lost", "{:,}"),
@@ -45,7 +46,9 @@ def summary(result: dict) -> str:
         f"{result['days']:g} days ({result['trace']['source']}: {result['trace']['notice']} notices, "
         f"{result['trace']['down']} losses, {result['trace']['up']} arrivals); best layout "
         f"{result['best_layout']} at {result['best_step_s']:.3f} s/step; checkpoint every "
-        f"{result['ckpt_every']} steps"
+        f"{result['ckpt_every']} steps; in-memory copies every "
+        f"{result.get('memory_every', 0)} steps (0: none); batch tolerance "
+        f"{result.get('batch_tolerance', 0.0):g}"
     )
     best = ", ".join(
         f"{n} {b['ckpt_every']} steps (goodput {b['goodput']:.3f})"

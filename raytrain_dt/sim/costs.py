@@ -33,6 +33,12 @@ class Costs:
     # from a peer (runs beside training).
     dp_reconfigure_s: float = 5.0
     dp_join_s: float = 120.0
+    # In-memory copies (`checkpoint.memory_every_steps`): a drain's hand-over of the state held
+    # in host memory (instead of a durable JIT save), and a re-formation's restore from the
+    # surviving copies, own and peers' (instead of the checkpoint load). Copies hide behind the
+    # step, so steps cost nothing more.
+    memory_copy_s: float = 2.0
+    memory_restore_s: float = 5.0
     # Node arrival: from the trace's UP (or a chaos add_node) until the node is usable.
     arrival_lag_s: float = 0.0
     # Prices, $ per GPU-hour.

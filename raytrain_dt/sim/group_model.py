@@ -2,11 +2,16 @@
 drives it over a trace is `sim/loop.py` (`Simulation`).
 
 The flow mirrors `control/coordinator.py` state by state: a failure (a used node DOWN without a
-drain) is seen after `detection_s`, the policy is asked with health "failed" and no layout, and
-the group re-forms from the newest committed checkpoint; a notice makes the policy return a
+drain, also while the group forms) is seen after `detection_s`, the policy is asked with health
+"failed" and no layout, and the group re-forms from the newest in-memory copy whose every shard
+still has a holder (with `Strategy.memory_every`), else from the newest committed checkpoint;
+a notice makes the policy return a
 `Resize(checkpoint_first)`, the group saves at the next step boundary (a JIT checkpoint), the
 noticed nodes are excluded (the coordinator's `lost_nodes`), and the policy is asked again with
-no layout; new capacity is offered to the policy once stable for `elastic.grow_stable_s`.
+no layout (with in-memory copies the state is handed over in memory, not saved); new capacity is offered to the policy once stable for `elastic.grow_stable_s`.
+Actors outlive the layouts that leave them out: the coordinator keeps started actors idle
+(`RankGroup.idle`) and, once formed, starts actors ahead of need on every usable node
+(`Capacity.warm`), so a later formation on those nodes pays no actor start.
 Decisions come only from the strategy's `decide` (for `ours`: the real `ElasticPolicy`).
 Between events training advances in closed form (`Segment`), so cost grows with events, not steps.
 """
@@ -51,6 +56,9 @@ class SimResult:
     formations: list[dict] = field(default_factory=list)
     timeline: list[tuple[float, int, int]] = field(default_factory=list)  # (t, samples, gpus)
     failed: str | None = None
+    batch: str = "fixed-batch"  # the policy's label: fixed-batch or elastic-batch
+    memory_restores: int = 0  # re-formations restored from in-memory copies
+    notice_times: list[float] = field(default_factory=list)  # when the policy saw each notice
 
 
 @dataclass
@@ -81,6 +89,8 @@ class GroupModel:
         self.seg: Segment | None = None
         self.step = self.samples = 0
         self.ckpt = (0, 0)  # (step, samples) of the newest committed checkpoint
+        # (step, samples, layout nodes) of the newest complete in-memory copy; None: none.
+        self.mem: tuple[int, int, tuple[str, ...]] | None = None
         self.restarts, self.streak = 0, FailureStreak()
         self.nodes_since, self.waiting_since = 0.0, None
         self.timers: list = []
@@ -93,7 +103,9 @@ class GroupModel:
         self._check_due = math.inf
         self._last_step_s = 0.0
         self.run_s = self.held_node_s = 0.0
-        self.result = SimResult(self.strategy.name, self.ckpt_every, 0.0, 0, 0)
+        self.result = SimResult(
+            self.strategy.name, self.ckpt_every, 0.0, 0, 0, batch=self.strategy.batch_label
+        )
 
     # --- bookkeeping -------------------------------------------------------------------------
     def _timer(self, delay: float, kind: str, payload=None) -> None:
@@ -154,6 +166,10 @@ class GroupModel:
         committed = seg.committed_at(until)
         if committed is not None and committed > self.ckpt[0]:
             self.ckpt = (committed, seg.samples_at(committed))
+        every = self.strategy.memory_every
+        if every:  # each completed copy step's state is in host memory, own node and a peer's
+            copied = max(seg.s0, self.step // every * every)
+            self.mem = (copied, seg.samples_at(copied), self.layout_nodes)
         ran = until - seg.t0
         self.run_s += ran
         if seg.samples_per_step / seg.step_s < self.best_samples_per_s * (1 - 1e-9):
@@ -188,13 +204,24 @@ class GroupModel:
         self.result.drains += 1
         boundary = self.seg.steps_at(self.t) + 1
         self.seg.stop_step = boundary
-        done = self.seg.time_of(boundary) + self.planner.save_s(self.costs, len(self.layout_nodes))
+        # With in-memory copies the state stays in memory, unless the noticed nodes take every
+        # holder of some shard with them: then it is saved to storage as without copies.
+        staying = {node_name(i) for i in self.alive - self.draining}
+        in_memory = self.strategy.memory_every and self._copies_survive(self.layout_nodes, staying)
+        if in_memory:
+            handover = self.costs.memory_copy_s
+        else:
+            handover = self.planner.save_s(self.costs, len(self.layout_nodes))
+        done = self.seg.time_of(boundary) + handover
         self.phase, self.gen = "draining", self.gen + 1
-        self._timer(done - self.t, "drained", (decision, boundary))
+        self._timer(done - self.t, "drained", (decision, boundary, in_memory))
 
-    def _drained(self, decision: Resize, boundary: int) -> None:
+    def _drained(self, decision: Resize, boundary: int, in_memory: bool = False) -> None:
         self._close_segment(self.seg.time_of(boundary))
-        self.ckpt = (self.step, self.samples)
+        if in_memory:
+            self.mem = (self.step, self.samples, self.layout_nodes)
+        else:
+            self.ckpt = (self.step, self.samples)
         for node in list(self.preempting):  # a chaos preemption reclaims the node now
             self._down(node, drained=True)
         self.preempting.clear()
@@ -209,31 +236,57 @@ class GroupModel:
             self._decide("ok")
 
     def _form(self, decision: Resize) -> None:
-        """(Re)form the group from the newest committed checkpoint."""
+        """(Re)form the group from the newest state that survives: in memory, else durable."""
         self._close_segment(self.t)
-        self._roll_back()
+        in_memory = self._roll_back()
         c = self.costs
         new_nodes = {node_index(n) for n in set(decision.nodes) - self.actor_nodes}
-        cost = c.replan_s + c.reform_s + self.planner.load_s(c, len(decision.nodes))
+        load = c.memory_restore_s if in_memory else self.planner.load_s(c, len(decision.nodes))
+        cost = c.replan_s + c.reform_s + load
         if self.strategy.cold_restart:
             cost += c.actor_start_s
-        elif new_nodes:  # pre-started actors cost only what is left of their start
-            cost += max(self.warm_at.get(i, self.t + c.actor_start_s) - self.t for i in new_nodes)
+        elif new_nodes:  # pre-started actors cost only what is left of their start, if any
+            left = max(self.warm_at.get(i, self.t + c.actor_start_s) - self.t for i in new_nodes)
+            cost += max(0.0, left)
         self.phase, self.gen = "forming", self.gen + 1
         self.forming = decision
         self._timer(cost, "formed", decision)
 
-    def _roll_back(self) -> None:
-        """Back to the newest committed checkpoint; the steps after it are lost."""
-        self.result.steps_lost += self.step - self.ckpt[0]
-        self.result.lost_compute_s += (self.step - self.ckpt[0]) * self._last_step_s
-        self.step, self.samples = self.ckpt
+    def _roll_back(self) -> bool:
+        """Back to the newest in-memory copy whose every shard has a living holder (True), or
+        to the newest committed checkpoint; the steps after it are lost."""
+        target, in_memory = self.ckpt, False
+        alive = {node_name(i) for i in self.alive}
+        if self.mem and self.mem[0] >= target[0] and self._copies_survive(self.mem[2], alive):
+            target, in_memory = self.mem[:2], True
+        self.result.steps_lost += self.step - target[0]
+        self.result.lost_compute_s += (self.step - target[0]) * self._last_step_s
+        self.step, self.samples = target
+        self.result.memory_restores += in_memory
+        return in_memory
+
+    @staticmethod
+    def _copies_survive(nodes: tuple[str, ...], alive: set[str]) -> bool:
+        """Whether every shard of a layout on `nodes` keeps a holder among `alive`: a rank's
+        copy lives on its own node and on the next node of the layout (a peer node)."""
+        n = len(nodes)
+        return all(nodes[k] in alive or (n > 1 and nodes[(k + 1) % n] in alive) for k in range(n))
 
     def _formed(self, decision: Resize) -> None:
         kind = "start" if not self.result.formations else "resize"
         self.layout, self.layout_nodes = decision.layout, decision.nodes
         self.layout_ints = frozenset(node_index(n) for n in decision.nodes)
-        self.actor_nodes = set(decision.nodes)
+        # Actors of nodes the layout leaves out stay, idle (`RankGroup.idle`).
+        self.actor_nodes |= set(decision.nodes)
+        if self.strategy.memory_every:  # the restored state is the new layout's
+            self.mem = (self.step, self.samples, decision.nodes)
+        if self.strategy.prestarts_actors and kind == "start":
+            # `Capacity.warm`: once formed, actors start on every usable node (on later
+            # arrivals too: `Simulation._up`).
+            for node in sorted(self.alive - self.lost):
+                if node_name(node) not in self.actor_nodes and node not in self.warm_at:
+                    self.warm_at[node] = self.t + self.costs.actor_start_s
+                    self._timer(self.costs.actor_start_s, "warm", node)
         # As the coordinator does: chaos actions at or before the resumed step have fired.
         self.pending = [(i, a) for i, a in self.pending if a.at_step > self.step]
         self._start_segment(self.t + self.costs.first_step_extra_s, kind, decision.reason)
@@ -290,7 +343,9 @@ class GroupModel:
         self._close_segment(self.t)
         self.streak.failed(self.step, training_fault=False)  # only nodes fail here
         self.restarts += 1
-        if not self.strategy.live_resize:  # what was not checkpointed died with the group
+        # What was not saved died with the group: rolled back now, or (with in-memory copies)
+        # at the re-formation, once it is known which holders of the copies are left.
+        if not self.strategy.live_resize and not self.strategy.memory_every:
             self._roll_back()
         self.actor_nodes &= {node_name(i) for i in self.alive}
         self.layout, self.layout_nodes, self.layout_ints = None, (), frozenset()

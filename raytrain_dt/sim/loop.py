@@ -24,6 +24,7 @@ class Simulation(GroupModel):
             return
         self.alive.discard(node)
         self.warm_at.pop(node, None)
+        self.actor_nodes.discard(node_name(node))  # its actors, used or idle, are gone
         self.draining.discard(node)
         self.lost.discard(node)
         self._nodes_changed()
@@ -54,6 +55,7 @@ class Simulation(GroupModel):
             return
         self.draining.add(node)
         self._usable_cache = None
+        self.result.notice_times.append(self.t)
         if self.phase in ("running", "idle"):
             self._decide("ok")
 

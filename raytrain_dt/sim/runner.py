@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from raytrain_dt.config.schema import ElasticConfig, TrainConfig, validate
+from raytrain_dt.config.schema import ElasticConfig, TrainConfig, memory_copy_interval, validate
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.errors import UserError
 from raytrain_dt.sim import strategies
@@ -34,12 +34,18 @@ SCALE_ELASTIC = {
 
 
 def scale_config(
-    model: str, gpus_per_node: int, seq_len: int, global_batch: int, elastic: dict | None = None
+    model: str,
+    gpus_per_node: int,
+    seq_len: int,
+    global_batch: int,
+    elastic: dict | None = None,
+    batch_tolerance: float = 0.0,
 ) -> TrainConfig:
     cfg = TrainConfig()
     cfg.model.preset = model
     cfg.data.seq_len = seq_len
     cfg.trainer.global_batch = global_batch
+    cfg.trainer.batch_tolerance = batch_tolerance
     cfg.cluster.accelerators_per_node = gpus_per_node
     cfg.elastic = ElasticConfig(**{**SCALE_ELASTIC, **(elastic or {})})
     return validate(cfg)
@@ -52,8 +58,13 @@ class Setup:
     gpus_per_node: int
     nodes: int
     elastic: ElasticConfig
+    # Steps between `ours`'s in-memory copies (0: none); None: the config's
+    # checkpoint.memory_every_steps, as the run it replays.
+    memory_every: int | None = None
 
     def __post_init__(self) -> None:
+        if self.memory_every is None:
+            self.memory_every = memory_copy_interval(self.planner.cfg.checkpoint, on_gpu=True)
         every = tuple(
             self.planner.node(node_name(i), self.gpus_per_node) for i in range(self.nodes)
         )
@@ -75,7 +86,7 @@ class Setup:
 
     def strategy(self, name: str) -> strategies.Strategy:
         if name == "ours":
-            return strategies.ours(self.planner, self.elastic)
+            return strategies.ours(self.planner, self.elastic, self.memory_every)
         if name == "restart":
             return strategies.restart(self.best, self.best_nodes)
         if name == "dp_only":
@@ -108,6 +119,7 @@ class Setup:
         on_demand_usd = on_demand_h * gpus * c.on_demand_usd_per_gpu_h
         return {
             "policy": r.policy,
+            "batch": r.batch,
             "ckpt_every": r.ckpt_every,
             "goodput": r.samples / (r.wall_s * self.best_samples_per_s) if r.wall_s else 0.0,
             "steps": r.steps,
@@ -119,6 +131,7 @@ class Setup:
             "below_best_h": (r.down_s + r.degraded_s) / 3600,
             "failures": r.failures,
             "drains": r.drains,
+            "memory_restores": r.memory_restores,
             "formations": len(r.formations),
             "spot_usd": spot_usd,
             "on_demand_usd_same_work": on_demand_usd,
@@ -155,6 +168,8 @@ def compare(
         "best_step_s": setup.best_step_s,
         "best_nodes": setup.best_nodes,
         "global_batch": setup.best.global_batch,
+        "batch_tolerance": setup.planner.cfg.trainer.batch_tolerance,
+        "memory_every": setup.memory_every,
         "costs": {k: v for k, v in asdict(setup.costs).items() if k != "step_s_by_world"},
         "checkpoint_s": {
             "save": setup.planner.save_s(setup.costs, setup.best_nodes),

@@ -25,6 +25,20 @@ def add_simulate_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=4096)
     p.add_argument("--global-batch", type=int, help="sequences per step (default: about 4M tokens)")
     p.add_argument(
+        "--batch-tolerance",
+        type=float,
+        default=0.0,
+        help="trainer.batch_tolerance for ours: the fraction by which the global batch may "
+        "drop while nodes are missing (default 0: a fixed batch)",
+    )
+    p.add_argument(
+        "--memory-every-steps",
+        type=int,
+        default=1,
+        help="checkpoint.memory_every_steps for ours: steps between in-memory copies "
+        "(default 1; 0: none)",
+    )
+    p.add_argument(
         "--trace", help="a JSON or CSV trace (raytrain_dt/sim/trace.py); default: synthetic"
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the synthetic trace")
@@ -85,6 +99,10 @@ def run_simulate(args: argparse.Namespace) -> int:
 
     if args.nodes < 1 or args.gpus_per_node < 1 or args.days <= 0:
         raise UserError("--nodes, --gpus-per-node and --days must be positive")
+    if not 0.0 <= args.batch_tolerance < 1.0:
+        raise UserError(f"--batch-tolerance: must be in [0, 1), got {args.batch_tolerance}")
+    if args.memory_every_steps < 0:
+        raise UserError(f"--memory-every-steps: must be >= 0, got {args.memory_every_steps}")
     names = tuple(n.strip() for n in args.policies.split(",") if n.strip())
     cost_keys = {f.name for f in dataclasses.fields(Costs) if f.name != "step_s_by_world"}
     costs = Costs(
@@ -96,8 +114,11 @@ def run_simulate(args: argparse.Namespace) -> int:
     )
     elastic = _pairs(args.elastic, {f.name for f in dataclasses.fields(ElasticConfig)}, "--elastic")
     batch = args.global_batch or max(1, round(DEFAULT_TOKENS_PER_STEP / args.seq_len))
-    cfg = scale_config(args.model, args.gpus_per_node, args.seq_len, batch, elastic)
-    setup = Setup(SimPlanner(cfg), costs, args.gpus_per_node, args.nodes, cfg.elastic)
+    cfg = scale_config(
+        args.model, args.gpus_per_node, args.seq_len, batch, elastic, args.batch_tolerance
+    )
+    memory = args.memory_every_steps
+    setup = Setup(SimPlanner(cfg), costs, args.gpus_per_node, args.nodes, cfg.elastic, memory)
     duration = args.days * DAY
     if args.trace:
         trace = load_trace(args.trace, args.nodes, duration)
@@ -111,7 +132,7 @@ def run_simulate(args: argparse.Namespace) -> int:
             TraceSpec(nodes=args.nodes, duration_s=duration, seed=args.seed, **knobs)
         )
     if trace.nodes != args.nodes:
-        setup = Setup(setup.planner, costs, args.gpus_per_node, trace.nodes, cfg.elastic)
+        setup = Setup(setup.planner, costs, args.gpus_per_node, trace.nodes, cfg.elastic, memory)
     minutes = 60 / setup.best_step_s
     every = args.ckpt_every or max(1, round(DEFAULT_CKPT_MINUTES * minutes))
     if args.sweep:

@@ -2,13 +2,17 @@
 `Observation` returning the coordinator's own decisions, plus how its recoveries behave.
 
 - `ours`: the coordinator's `ElasticPolicy` with the coordinator's planner (`SimPlanner.plan_for`
-  wraps `plan_for_nodes`): topology-aware re-planning, JIT checkpoints on notice, growth.
+  wraps `plan_for_nodes`): topology-aware re-planning, JIT checkpoints on notice, growth, and
+  in-memory copies every `memory_every` steps (a failure without notice then loses the step in
+  flight, unless every holder of some shard is lost: `GroupModel._copies_survive`). Fixed-batch
+  with `trainer.batch_tolerance` 0, elastic-batch within the tolerance otherwise.
 - `restart`: checkpoint-restart at a fixed size (Ray Train / torchrun today): the full-cluster
   layout, every process restarted, waiting until that many nodes are back; notices ignored.
 - `dp_only`: elastic DP-only resize (torchft-like): TP and PP stay as planned for the full
   cluster; a replica group (the fewest nodes whose HSDP shard fits in memory) is the unit that
   comes and goes. Survivors keep their state (no checkpoint reload); a failure loses the step in
-  flight; the global batch shrinks with the replicas (each replica keeps its own batch).
+  flight; the global batch shrinks with the replicas (each replica keeps its own batch), and
+  never exceeds the configured batch (no more replicas than the full layout has): elastic-batch.
 """
 
 from __future__ import annotations
@@ -49,9 +53,18 @@ class Strategy:
     # Actors start on a node as soon as it joins, and the policy sees it once they are up, so
     # the growth that follows pays no actor start (the coordinator's `_warm_capacity`).
     prestarts_actors: bool = False
+    # Every step trains the configured global batch (a "fixed-batch" policy), or fewer samples
+    # while nodes are missing ("elastic-batch"): the label of the policy's report rows.
+    fixed_batch: bool = True
+    # Steps between in-memory copies of every rank's state (own node and a peer node); 0: none.
+    memory_every: int = 0
+
+    @property
+    def batch_label(self) -> str:
+        return "fixed-batch" if self.fixed_batch else "elastic-batch"
 
 
-def ours(planner: SimPlanner, elastic: ElasticConfig) -> Strategy:
+def ours(planner: SimPlanner, elastic: ElasticConfig, memory_every: int = 0) -> Strategy:
     policy = ElasticPolicy(elastic, planner.plan_for)
     return Strategy(
         "ours",
@@ -61,6 +74,8 @@ def ours(planner: SimPlanner, elastic: ElasticConfig) -> Strategy:
         cold_restart=False,
         samples_per_step=lambda lay: lay.global_batch,
         prestarts_actors=True,
+        fixed_batch=planner.cfg.trainer.batch_tolerance == 0,
+        memory_every=memory_every,
     )
 
 
@@ -91,6 +106,7 @@ def dp_only(
     per_rank = full_layout.micro_batch * full_layout.grad_accum  # samples per DP rank per step
     group = _replica_nodes(planner, full_layout, gpus_per_node, memory_per_accelerator)
     shard = group * gpus_per_node // (tp * pp)
+    most = max(1, full_layout.dims.world_size // (group * gpus_per_node))  # the configured batch
 
     def layout_for(replicas: int) -> Layout:
         dims = ParallelDims(
@@ -102,7 +118,7 @@ def dp_only(
         )
 
     def decide(obs: Observation) -> Decision:
-        replicas = len(obs.nodes) // group
+        replicas = min(most, len(obs.nodes) // group)
         if obs.health == "notice":
             return Noop("DP-only: notices are not used")
         if replicas < 1:
@@ -120,6 +136,7 @@ def dp_only(
         live_resize=True,
         cold_restart=False,
         samples_per_step=lambda lay: per_rank * lay.dims.dp,
+        fixed_batch=False,
     )
 
 

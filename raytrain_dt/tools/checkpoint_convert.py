@@ -78,7 +78,8 @@ def single_process_group() -> Iterator[None]:
 
 
 def one_rank_layout(saved: dict, zero_stage: int) -> Layout:
-    """The source's layout squeezed onto one rank (the whole global batch per micro-batch)."""
+    """The source's layout squeezed onto one rank (the whole global batch per micro-batch, no
+    pipeline: the engines read and write every stage's parameters by the full model's names)."""
     layout = Layout.from_dict(saved)
     return dataclasses.replace(
         layout,
@@ -87,6 +88,9 @@ def one_rank_layout(saved: dict, zero_stage: int) -> Layout:
         micro_batch=layout.global_batch,
         grad_accum=1,
         sequence_parallel=False,
+        pp_schedule="1f1b",
+        virtual_stages=1,
+        pp_layers=(),
     )
 
 
@@ -211,6 +215,11 @@ def write_deepspeed(
         if not inner.state.get(flat):
             inner.state[flat] = {"step": torch.tensor(0.0)}
             inner.state[flat].update({f: torch.zeros_like(flat) for f in ADAM_FIELDS})
+    # ZeRO-1/2 map each parameter onto its fragment of that state only at the first step
+    # (ZeRO-3 at construction); without the map the optimizer-state setter has nowhere to write.
+    link_state = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
+    if link_state is not None:
+        link_state()
     with torch.no_grad():
         for name, param in _named_params(engine).items():
             value = state[name]["param"]

@@ -1,4 +1,4 @@
-"""Step-time model: compute at a fixed MFU plus alpha-beta communication and pipeline bubble.
+"""Step-time model: compute at a calibrated efficiency plus alpha-beta communication and bubble.
 
 Arithmetic only, so the planner can rank thousands of layouts. Collectives use the ring
 alpha-beta model (time = steps * latency + volume / bandwidth), the same for every layout, so
@@ -10,6 +10,8 @@ window is exposed. Overlap is not free: collectives running beside GEMMs take SM
 bandwidth from them, so every hidden second still costs OVERLAP_TAX of a second. That is what
 makes more data-parallel volume slower even when all of it hides (ZeRO-3 behind ZeRO-2 behind
 plain DP). `dp_comm_s` is what DP traffic adds to the step; `dp_hidden_s` what was overlapped.
+The constants taken from measurements (GEMM efficiency by width, the bus bandwidth NCCL reaches,
+the cost of recomputation) live in `calibration.py`, checked against published runs.
 """
 
 from __future__ import annotations
@@ -17,8 +19,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raytrain_dt.models.presets import ModelShape
+from raytrain_dt.topology.calibration import (
+    INTER_NODE_BUS_EFFICIENCY,
+    INTRA_NODE_BUS_EFFICIENCY,
+    RECOMPUTE_FACTOR,
+    accelerator_for_peak,
+    compute_efficiency,
+)
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import STATE_BYTES, stage_params
+from raytrain_dt.topology.pipeline_stages import busiest_rank, busiest_rank_share
 
 # Host link and CPU Adam rate for optimizer offload (PCIe Gen4 x16, DeepSpeed CPU Adam per rank).
 PCIE_BANDWIDTH = 25e9
@@ -77,11 +87,16 @@ all_gather_s = reduce_scatter_s
 def _link(topology: Topology, span: int) -> tuple[float, float]:
     """(bandwidth, latency) for a group whose ranks fill `span` consecutive ranks.
 
-    Ranks are ordered by node, so a group stays on NVLink iff its span fits in one node.
+    Ranks are ordered by node, so a group stays on NVLink iff its span fits in one node. The
+    bandwidth is what a ring collective reaches of the link (`calibration.py`).
     """
     if span <= topology.accelerators_per_node and topology.accelerators_per_node % span == 0:
-        return topology.intra_node_bandwidth, topology.intra_node_latency
-    return topology.inter_node_bandwidth, topology.inter_node_latency
+        return _intra(topology)
+    return topology.inter_node_bandwidth * INTER_NODE_BUS_EFFICIENCY, topology.inter_node_latency
+
+
+def _intra(topology: Topology) -> tuple[float, float]:
+    return topology.intra_node_bandwidth * INTRA_NODE_BUS_EFFICIENCY, topology.intra_node_latency
 
 
 def dp_comm_s(
@@ -103,7 +118,7 @@ def dp_comm_s(
     if d.dp == 1:
         return 0.0, 0.0
     p_bytes, g_bytes, _ = STATE_BYTES[precision]
-    local = stage_params(shape, d.pp) / d.tp
+    local = _local_params(shape, layout)
     grads, params = local * g_bytes, local * p_bytes
     m, z = layout.grad_accum, layout.zero_stage
     backward_last = (2.0 / 3.0) / m  # share of compute that is the last micro-step's backward
@@ -126,17 +141,29 @@ def dp_comm_s(
 def compute_s(
     shape: ModelShape,
     rows_per_rank: int,
-    model_parallel: int,
+    model_parallel: float,
     topology: Topology,
     *,
     seq_len: int,
-    mfu: float,
+    mfu: float | None = None,
     recompute: float = 1.0,
+    tp: int = 1,
 ) -> float:
     """Seconds of compute for `rows_per_rank` sequences per DP replica split over `model_parallel`
-    (tp x pp) ranks: the part of a step no layout choice hides, so a floor on its total."""
+    ranks (tp x pp for a perfect pipeline split, tp / the busiest stage's share otherwise): the
+    part of a step no layout choice hides, so a floor on its total.
+    `mfu` None: the calibrated efficiency of `tp`-wide GEMMs (narrower ones are slower, so
+    tp=1 gives a floor for every tp)."""
     flops = shape.flops_per_token(seq_len) * (rows_per_rank * seq_len) / model_parallel
-    return flops * recompute / (topology.peak_flops * mfu)
+    return flops * recompute / (topology.peak_flops * efficiency(shape, tp, topology, mfu))
+
+
+def efficiency(shape: ModelShape, tp: int, topology: Topology, mfu: float | None) -> float:
+    """Fraction of peak the compute reaches: `mfu` if given, else calibrated (`calibration.py`)."""
+    if mfu is not None:
+        return mfu
+    gemm = accelerator_for_peak(topology.peak_flops).gemm_efficiency
+    return compute_efficiency(shape.dim, tp, gemm)
 
 
 def estimate_step_time(
@@ -146,35 +173,39 @@ def estimate_step_time(
     *,
     seq_len: int,
     precision: str = "bf16",
-    mfu: float = 0.45,
+    mfu: float | None = None,
 ) -> StepTime:
-    """Estimated seconds per optimizer step for `layout` on `topology`."""
-    if not 0.0 < mfu <= 1.0:
+    """Estimated seconds per optimizer step for `layout` on `topology`; `mfu` None: the
+    calibrated compute efficiency, else that fixed fraction of peak."""
+    if mfu is not None and not 0.0 < mfu <= 1.0:
         raise ValueError(f"mfu must be in (0, 1], got {mfu}")
     d = layout.dims
     act_bytes = STATE_BYTES[precision][0]
     m = layout.grad_accum
     # Full checkpointing re-runs the forward: 1 + 2 passes become 2 + 2.
-    recompute = 4.0 / 3.0 if layout.activation_checkpointing else 1.0
-    # Every batch slot is computed, padding included (`Layout.padded_slots`).
+    recompute = RECOMPUTE_FACTOR if layout.activation_checkpointing else 1.0
+    split = (shape, d.pp, layout.virtual_stages, layout.pp_layers)
+    # Every batch slot is computed, padding included (`Layout.padded_slots`); the busiest
+    # pipeline rank sets the pace (1/pp of the model for a perfect split).
     compute = compute_s(
         shape,
         layout.micro_batch * m,
-        d.tp * d.pp,
+        d.tp / busiest_rank_share(*split),
         topology,
         seq_len=seq_len,
         mfu=mfu,
         recompute=recompute,
+        tp=d.tp,
     )
 
-    layers = shape.n_layers // d.pp
+    layers = busiest_rank(*split)[0]
     tp = 0.0
     if d.tp > 1:
         # Megatron: 2 all-reduces forward + 2 backward per layer (SP swaps each for a
         # reduce-scatter/all-gather pair of equal volume); recompute repeats the forward two.
         msg = float(seq_len) * layout.micro_batch * shape.dim * act_bytes
         per_layer = (6 if layout.activation_checkpointing else 4) * all_reduce_s(
-            msg, d.tp, topology.intra_node_bandwidth, topology.intra_node_latency
+            msg, d.tp, *_intra(topology)
         )
         tp = per_layer * layers * m
 
@@ -204,7 +235,7 @@ def estimate_step_time(
     offload = 0.0
     if layout.offload_optimizer:
         # Each step ships the gradient shard to the host, runs CPU Adam, ships params back.
-        shard = stage_params(shape, d.pp) / d.tp / (d.dp_shard if layout.zero_stage >= 1 else 1)
+        shard = _local_params(shape, layout) / (d.dp_shard if layout.zero_stage >= 1 else 1)
         p_bytes, g_bytes, _ = STATE_BYTES[precision]
         offload = shard * (p_bytes + g_bytes) / PCIE_BANDWIDTH + shard / CPU_ADAM_PARAMS_PER_S
 
@@ -214,5 +245,11 @@ def estimate_step_time(
 
 def _param_gather_s(shape: ModelShape, layout: Layout, topology: Topology, precision: str) -> float:
     d = layout.dims
-    params = stage_params(shape, d.pp) / d.tp * STATE_BYTES[precision][0]
+    params = _local_params(shape, layout) * STATE_BYTES[precision][0]
     return all_gather_s(params, d.dp_shard, *_link(topology, d.tp * d.dp_shard))
+
+
+def _local_params(shape: ModelShape, layout: Layout) -> float:
+    """Parameters of the heaviest pipeline rank's TP shard."""
+    d = layout.dims
+    return stage_params(shape, d.pp, layout.virtual_stages, layout.pp_layers) / d.tp

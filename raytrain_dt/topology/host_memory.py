@@ -8,6 +8,9 @@ one prices what it holds beside it, in host memory, where nothing else checks it
   master partition, Adam moments and fp32 gradient partition;
 - the staging buffers of async checkpointing (`checkpoint/staging.py`): one host copy of the
   rank's shard of model and optimizer states, pinned on accelerators, kept for the run;
+- the in-memory copies (`checkpoint.memory_every_steps`, `worker/peer_copies.py`): a staging
+  buffer of its own, and its own copy and a peer's, each for the newest two steps
+  (`MEMORY_COPY_SHARDS` shards in all);
 - the accelerator's own memory where the device is host RAM (cpu, emulated);
 - the process itself: torch, Ray's worker, the data iterator (`RANK_PROCESS_HOST_BYTES`).
 
@@ -41,6 +44,9 @@ RANK_PROCESS_HOST_BYTES = IDLE_RANK_RSS_BYTES + CUDA_HOST_OVERHEAD_BYTES
 # The engines that save asynchronously through the staging buffers (those with `save_async`:
 # FSDP2; DeepSpeed saves synchronously from its own buffers).
 ASYNC_SAVE_ENGINES = ("fsdp2",)
+# In-memory copies, in shards of the rank's state: a staging buffer, plus its own copy and the
+# copy it holds for its peer, of the newest two steps (`CopyStore.keep`).
+MEMORY_COPY_SHARDS = 1 + 2 * 2
 
 
 @dataclass(frozen=True)
@@ -51,15 +57,17 @@ class HostMemoryEstimate:
     staging: float
     device: float  # accelerator memory that is host RAM (cpu, emulated devices); 0 on GPUs
     process: float
+    memory_copies: float = 0.0  # checkpoint.memory_every_steps: own and peer copies
 
     @property
     def total(self) -> float:
-        return self.offload + self.staging + self.device + self.process
+        return self.offload + self.staging + self.device + self.process + self.memory_copies
 
     def describe(self) -> str:
         parts = [
             ("offload", self.offload),
             ("checkpoint staging", self.staging),
+            ("in-memory copies (checkpoint.memory_every_steps)", self.memory_copies),
             ("device memory", self.device),
             ("process", self.process),
         ]
@@ -118,17 +126,20 @@ def host_bytes_per_rank(
     precision: str = "bf16",
     async_save: bool = True,
     device_bytes: float = 0.0,
+    memory_copies: bool = False,
 ) -> HostMemoryEstimate:
     """Host bytes one rank of `layout` holds. `device_bytes`: its accelerator memory when that
-    is host RAM (the accelerator estimate's total on cpu and emulated devices), else 0."""
-    staging = 0.0
-    if async_save and engine in ASYNC_SAVE_ENGINES:
-        staging = rank_checkpoint_bytes(shape, layout, engine=engine, precision=precision)
+    is host RAM (the accelerator estimate's total on cpu and emulated devices), else 0.
+    `memory_copies`: in-memory copies are on (only engines that stage asynchronously take
+    them)."""
+    shard = rank_checkpoint_bytes(shape, layout, engine=engine, precision=precision)
+    stages = engine in ASYNC_SAVE_ENGINES
     return HostMemoryEstimate(
         offload=offloaded_bytes(shape, layout, engine=engine, precision=precision),
-        staging=staging,
+        staging=shard if async_save and stages else 0.0,
         device=device_bytes,
         process=RANK_PROCESS_HOST_BYTES,
+        memory_copies=MEMORY_COPY_SHARDS * shard if memory_copies and stages else 0.0,
     )
 
 
@@ -147,6 +158,7 @@ def host_bytes_per_node(
     precision: str = "bf16",
     async_save: bool = True,
     margin: float = 0.10,
+    memory_copies: bool = False,
 ) -> float:
     """Host bytes the fullest node of `layout` on `topology` needs: its ranks' sum. Where the
     accelerators' memory is host RAM (`Topology.device_memory_on_host`) it counts too."""
@@ -162,5 +174,6 @@ def host_bytes_per_node(
         precision=precision,
         async_save=async_save,
         device_bytes=device,
+        memory_copies=memory_copies,
     )
     return ranks_per_node(layout, topology) * rank.total

@@ -66,8 +66,13 @@ class Layout:
     # ranks then read uneven slices and the rest of their slots are zero-weighted padding
     # (`data.order.rank_rows`). 0 means every slot holds a sample, as in older records.
     real_global_batch: int = 0
+    # Blocks per pipeline stage (pp x virtual_stages of them) when `parallel.pp_layers` pins
+    # the split; () means the balanced split (`pipeline_stages.stage_layer_counts`).
+    pp_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        # A JSON record gives a list; the layout stays hashable.
+        object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
         if self.real_global_batch == self.batch_slots:  # one spelling of "no padding"
             object.__setattr__(self, "real_global_batch", 0)
         g, dp, per_rank = self.real_global_batch, self.dims.dp, self.micro_batch * self.grad_accum
@@ -104,6 +109,8 @@ class Layout:
             + (" +ac" if self.activation_checkpointing else "")
             + (" +sp" if self.sequence_parallel else "")
             + (" +deferred-sync" if self.defer_grad_sync else "")
+            + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
+            + (f" pp_layers={list(self.pp_layers)}" if self.pp_layers else "")
             + (
                 f" global_batch={self.global_batch} (+{self.padded_slots} padded)"
                 if self.padded_slots

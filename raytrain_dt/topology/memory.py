@@ -5,7 +5,8 @@ of layouts in milliseconds. Model states follow the ZeRO paper (Rajbhandari et a
 each engine implements it: FSDP2 and DeepSpeed differ in what they shard at which stage, keep
 in fp32, hold unsharded while computing and accumulate without a reduction, and
 bench/bench_memory.py checks both against the bytes the engines really hold. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-Transformer Models"). Also home of `shape_for_params`, which invents a Llama-like shape for a
+Transformer Models"), held per micro-batch in flight as the pipeline schedule keeps them
+(`pipeline_schedule.py`). Also home of `shape_for_params`, which invents a Llama-like shape for a
 bare parameter count so the planner can be asked about models that have no preset.
 """
 
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.layout import Layout
+from raytrain_dt.topology.pipeline_schedule import live_peaks
+from raytrain_dt.topology.pipeline_stages import heaviest_rank_params, split_of
 
 GB = 1e9
 
@@ -53,16 +56,11 @@ class MemoryEstimate:
         }
 
 
-def stage_params(shape: ModelShape, pp: int = 1) -> float:
-    """Parameters held by the largest pipeline stage (before TP or ZeRO division).
-
-    With pp > 1 the first stage carries the embedding and the last the final norm and the LM
-    head (a tied head is a second copy there), so the heaviest stage is the last one.
-    """
-    if pp == 1:
-        return float(shape.num_params)
-    layers = shape.n_layers // pp
-    return float(layers * shape.params_per_layer + shape.vocab_size * shape.dim + shape.dim)
+def stage_params(shape: ModelShape, pp: int = 1, virtual_stages: int = 1, pp_layers=()) -> float:
+    """Parameters held by the pp rank with the most (before TP or ZeRO division), for the split
+    the pipeline code makes (`pipeline_stages.py`: the end stages carry the embedding and the
+    head, and fewer blocks)."""
+    return heaviest_rank_params(shape, pp, virtual_stages, pp_layers)
 
 
 def _check_engine(engine: str) -> None:
@@ -112,13 +110,15 @@ def model_state_bytes(
     engine: str = "fsdp2",
     offload_optimizer: bool = False,
     offload_params: bool = False,
+    virtual_stages: int = 1,
+    pp_layers=(),
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank at the optimizer step; `shard` is the
     ZeRO/FSDP degree. These are the sharded states only (`resident_bytes_per_param`);
     `estimate_memory` adds the transient buffers of forward and backward."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
-    local = stage_params(shape, pp) / tp
+    local = stage_params(shape, pp, virtual_stages, pp_layers) / tp
     per_param = resident_bytes_per_param(engine, precision, zero_stage, shard)
     params, grads, optimizer = (local * b for b in per_param)
     # FSDP2's CPUOffloadPolicy (engine.offload_optimizer) moves the parameter and gradient
@@ -139,6 +139,8 @@ def working_state_bytes(
     engine: str = "fsdp2",
     grad_accum: int = 1,
     defer_grad_sync: bool = False,
+    virtual_stages: int = 1,
+    pp_layers=(),
 ) -> tuple[float, float]:
     """(params, grads) bytes held on top of `model_state_bytes` during forward and backward.
 
@@ -156,7 +158,8 @@ def working_state_bytes(
     _check_engine(engine)
     _check_precision(precision)
     compute_bytes, grad_bytes = STATE_BYTES[precision][0], STATE_BYTES[precision][1]
-    local = stage_params(shape, pp) / tp
+    split = {"virtual_stages": virtual_stages, "pp_layers": pp_layers}
+    local = stage_params(shape, pp, **split) / tp
     layer = shape.params_per_layer / tp
     if engine == "fsdp2":
         # A pipeline schedule keeps its stages unsharded and unsynced across all micro-batches
@@ -172,7 +175,7 @@ def working_state_bytes(
             return params, layer * 4.0
         # The sharded gradients appear only as the last micro-step frees the unsharded ones.
         resident = model_state_bytes(
-            shape, tp=tp, pp=pp, shard=shard, zero_stage=zero_stage, engine=engine
+            shape, tp=tp, pp=pp, shard=shard, zero_stage=zero_stage, engine=engine, **split
         )[1]
         return params, local * 4.0 - resident
     if zero_stage == 3:
@@ -221,8 +224,13 @@ def activation_bytes(
     activation_checkpointing: bool = False,
     fused_attention: bool = True,
     precision: str = "bf16",
+    virtual_stages: int = 1,
+    pp_layers=(),
+    pp_schedule: str = "1f1b",
 ) -> float:
-    """Peak activation bytes on the heaviest pipeline stage under 1F1B."""
+    """Peak activation bytes on the pp rank whose live activations peak highest under
+    `pp_schedule` (`grad_accum` micro-batches per step). `estimate_memory` adds them to the
+    states of the rank with the most parameters: an upper bound where the two ranks differ."""
     _check_precision(precision)
     layer = (
         korthikanti_layer_bytes(
@@ -236,21 +244,24 @@ def activation_bytes(
         )
         * ACTIVATION_SCALE[precision]
     )
-    layers = shape.n_layers // pp
     if activation_checkpointing:
         # Only each layer's input survives the forward (sharded over TP under SP); backward
         # recomputes one layer at a time, so one full layer's working set is added once.
         kept = 2.0 * seq_len * micro_batch * shape.dim * ACTIVATION_SCALE[precision]
-        stored, working = layers * (kept / tp if sequence_parallel else kept), layer
+        per_block, working = (kept / tp if sequence_parallel else kept), layer
     else:
-        stored, working = layers * layer, 0.0
+        per_block, working = layer, 0.0
     logits = float(seq_len) * micro_batch * shape.vocab_size / tp * LOGIT_BYTES
-    # 1F1B: the first stage has up to pp micro-batches in flight before its first backward;
-    # the last stage holds one micro-batch but also the logits. With pp == 1 both are one stage.
-    in_flight = min(pp, grad_accum) if pp > 1 else 1
-    first = in_flight * stored + working + (logits if pp == 1 else 0.0)
-    last = stored + working + logits
-    return max(first, last)
+    if pp == 1:
+        # Gradient accumulation runs each micro-batch's backward before the next forward.
+        return shape.n_layers * per_block + working + logits
+    # The rank whose live activations peak highest, replaying the schedule's own order of
+    # forwards and backwards on every rank (`pipeline_schedule.py`): 1F1B's stage i holds
+    # pp - i micro-batches, the interleaved first rank pp * v + pp - 1 chunks; the last stage
+    # also keeps each live micro-batch's logits for the loss's backward.
+    counts = split_of(shape, pp, virtual_stages, pp_layers)
+    peaks = live_peaks(tuple(counts), pp, grad_accum, pp_schedule)
+    return max(blocks * per_block + last * logits for blocks, last in peaks) + working
 
 
 def estimate_memory(
@@ -269,7 +280,14 @@ def estimate_memory(
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     d = layout.dims
-    degrees = {"tp": d.tp, "pp": d.pp, "shard": d.dp_shard, "zero_stage": layout.zero_stage}
+    degrees = {
+        "tp": d.tp,
+        "pp": d.pp,
+        "shard": d.dp_shard,
+        "zero_stage": layout.zero_stage,
+        "virtual_stages": layout.virtual_stages,
+        "pp_layers": layout.pp_layers,
+    }
     params, grads, optimizer = model_state_bytes(
         shape,
         **degrees,
@@ -294,6 +312,9 @@ def estimate_memory(
         micro_batch=layout.micro_batch,
         tp=d.tp,
         pp=d.pp,
+        virtual_stages=layout.virtual_stages,
+        pp_layers=layout.pp_layers,
+        pp_schedule=layout.pp_schedule,
         grad_accum=layout.grad_accum,
         sequence_parallel=layout.sequence_parallel,
         activation_checkpointing=layout.activation_checkpointing,

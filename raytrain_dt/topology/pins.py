@@ -6,11 +6,13 @@ inside these bounds.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.layout import Topology
+from raytrain_dt.topology.pipeline_stages import pp_layers_refusal
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,7 @@ class LayoutPins:
     pp_schedule: str | None = None
     virtual_stages: int | None = None
     grad_sync: str | None = None  # final / every; None: the planner chooses
+    pp_layers: tuple[int, ...] | None = None  # blocks per stage; None: balanced by cost
 
     @classmethod
     def from_config(cls, cfg) -> LayoutPins:
@@ -51,6 +54,7 @@ class LayoutPins:
             pp_schedule=p.pp_schedule,
             virtual_stages=p.virtual_stages,
             grad_sync=None if e.grad_sync == "auto" else e.grad_sync,
+            pp_layers=tuple(p.pp_layers) if p.pp_layers else None,
             # Pinned both ways: a layout may only claim sequence parallelism the engine applies.
             sequence_parallel=p.sequence_parallel,
             **{k: True if v else None for k, v in flag.items()},
@@ -95,6 +99,15 @@ def engine_refusal(
     return None
 
 
+def engine_pins(engine: str, pins: LayoutPins) -> LayoutPins:
+    """The pins a run on `engine` plans with: DeepSpeed runs pipeline stages only when
+    `parallel.pp` asks for them, so an unpinned pp is 1 there. Training (`run_plan`) and
+    `raytrain-dt plan --engine` share this, so both give the same answer."""
+    if engine != "fsdp2" and pins.pp is None:
+        return dataclasses.replace(pins, pp=1)
+    return pins
+
+
 def validate_pins(
     shape: ModelShape, topo: Topology, pins: LayoutPins, global_batch: int, engine: str
 ) -> None:
@@ -112,6 +125,8 @@ def validate_pins(
         product *= v
     dp = (pins.dp_replicate or 1) * (pins.dp_shard or 1)
     v, sched = pins.virtual_stages or 1, pins.pp_schedule or "1f1b"
+    stages = pp or len(pins.pp_layers or ()) // v
+    layers_refusal = pp_layers_refusal(pins.pp_layers, shape.n_layers, stages, v)
     # (broken, message) in order: the first broken rule is reported.
     rules = [
         (
@@ -127,9 +142,11 @@ def validate_pins(
             f"parallel.tp: {tp} does not divide model.n_kv_heads ({shape.n_kv_heads})",
         ),
         (
-            pp and shape.n_layers % pp,
-            f"parallel.pp: {pp} does not divide model.n_layers ({shape.n_layers})",
+            pp and pp * v > shape.n_layers,
+            f"parallel.pp: {pp} x parallel.virtual_stages {v} = {(pp or 1) * v} stages exceed "
+            f"model.n_layers ({shape.n_layers}): every stage needs a layer",
         ),
+        (layers_refusal, layers_refusal),
         (
             product > n,
             f"parallel.{degrees[-1][0] if degrees else 'tp'}: "

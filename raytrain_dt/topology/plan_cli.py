@@ -13,9 +13,12 @@ import sys
 
 from raytrain_dt.errors import UserError
 from raytrain_dt.models.presets import PRESETS, ModelShape
+from raytrain_dt.topology.calibration import ACCELERATORS, CALIBRATION, H100_SXM
 from raytrain_dt.topology.layout import Topology
-from raytrain_dt.topology.memory import shape_for_params
-from raytrain_dt.topology.pins import LayoutPins
+from raytrain_dt.topology.memory import ENGINES, shape_for_params
+from raytrain_dt.topology.pins import LayoutPins, engine_pins
+from raytrain_dt.topology.pipeline_stages import split_of
+from raytrain_dt.topology.plan_reasons import versus
 from raytrain_dt.topology.planner import Candidate, Plan, plan
 
 # About 4M tokens per step, the budget Llama 2/3 pre-training used, unless --global-batch.
@@ -35,7 +38,13 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         "--gpus-per-node", type=int, default=None, help="accelerators per node (8)"
     )
     cluster.add_argument(
-        "--gpu-mem-gb", type=float, default=80.0, help="memory per accelerator, GB"
+        "--gpu",
+        choices=sorted(ACCELERATORS),
+        default=H100_SXM.name,
+        help="accelerator kind: peak, links and memory as calibrated (topology/calibration.py)",
+    )
+    cluster.add_argument(
+        "--gpu-mem-gb", type=float, default=None, help="memory per accelerator, GB (--gpu's)"
     )
     cluster.add_argument(
         "--host-mem-gb",
@@ -43,12 +52,14 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="host memory per node, GB (default: not checked)",
     )
-    cluster.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 TFLOP/s each")
     cluster.add_argument(
-        "--intra-gbps", type=float, default=450.0, help="NVLink GB/s per accelerator"
+        "--peak-tflops", type=float, default=None, help="dense bf16 TFLOP/s each (--gpu's)"
     )
     cluster.add_argument(
-        "--inter-gbps", type=float, default=50.0, help="network GB/s per accelerator"
+        "--intra-gbps", type=float, default=None, help="NVLink GB/s per accelerator (--gpu's)"
+    )
+    cluster.add_argument(
+        "--inter-gbps", type=float, default=None, help="network GB/s per accelerator (--gpu's)"
     )
     train = parser.add_argument_group("training")
     train.add_argument("--seq-len", type=int, default=4096)
@@ -58,7 +69,20 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="sequences per optimizer step (default: about 4M tokens)",
     )
+    train.add_argument(
+        "--batch-tolerance",
+        type=float,
+        default=0.0,
+        help="fraction by which the global batch may drop to fit the ranks better "
+        "(trainer.batch_tolerance; default 0: exact)",
+    )
     train.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    train.add_argument(
+        "--engine",
+        choices=ENGINES,
+        default="fsdp2",
+        help="training engine: what each ZeRO stage holds, and which layouts it can run",
+    )
     pins = parser.add_argument_group("pins (default: the planner chooses)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
@@ -68,7 +92,12 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     knobs.add_argument(
         "--margin", type=float, default=0.10, help="memory margin, fraction of total"
     )
-    knobs.add_argument("--mfu", type=float, default=0.45, help="model FLOPs utilisation")
+    knobs.add_argument(
+        "--mfu",
+        type=float,
+        default=None,
+        help="fixed model FLOPs utilisation (default: calibrated, by GEMM width)",
+    )
     knobs.add_argument("--top-k", type=int, default=5, help="alternatives to show")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
@@ -97,13 +126,18 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
         raise UserError(f"--nodes/--gpus-per-node: must be >= 1, got {nodes}, {per_node}")
     if args.host_mem_gb is not None and args.host_mem_gb <= 0:
         raise UserError(f"--host-mem-gb: must be > 0, got {args.host_mem_gb}")
+    gpu = ACCELERATORS[args.gpu]
+
+    def given(value: float | None, default: float, unit: float) -> float:
+        return default if value is None else value * unit
+
     topo = Topology(
         num_nodes=nodes,
         accelerators_per_node=per_node,
-        memory_per_accelerator=args.gpu_mem_gb * 1e9,
-        peak_flops=args.peak_tflops * 1e12,
-        intra_node_bandwidth=args.intra_gbps * 1e9,
-        inter_node_bandwidth=args.inter_gbps * 1e9,
+        memory_per_accelerator=given(args.gpu_mem_gb, gpu.memory, 1e9),
+        peak_flops=given(args.peak_tflops, gpu.peak_flops, 1e12),
+        intra_node_bandwidth=given(args.intra_gbps, gpu.intra_node_bandwidth, 1e9),
+        inter_node_bandwidth=given(args.inter_gbps, gpu.inter_node_bandwidth, 1e9),
         host_memory_per_node=(args.host_mem_gb or 0.0) * 1e9,
     )
     batch = args.global_batch or max(1, round(DEFAULT_TOKENS_PER_STEP / args.seq_len))
@@ -122,19 +156,57 @@ def _row(c: Candidate) -> str:
     )
 
 
-def format_plan(name: str, shape: ModelShape, topo: Topology, p: Plan, seq_len: int) -> str:
+def assumptions(args: argparse.Namespace) -> dict[str, str]:
+    """What the figures assume: `plan --json` states it, the report prints it."""
+    return {
+        "engine": args.engine,
+        "precision": args.precision,
+        "gpu": args.gpu,
+        "compute_efficiency": "calibrated" if args.mfu is None else f"fixed mfu {args.mfu}",
+        "calibration": CALIBRATION,
+    }
+
+
+def _stages(shape: ModelShape, layout) -> str:
+    """The pipeline split, run-length encoded: "7, 8 x 14, 7"."""
+    counts = split_of(shape, layout.dims.pp, layout.virtual_stages, layout.pp_layers)
+    runs: list[list[int]] = []
+    for c in counts:
+        if runs and runs[-1][0] == c:
+            runs[-1][1] += 1
+        else:
+            runs.append([c, 1])
+    text = ", ".join(f"{c} x {n}" if n > 1 else str(c) for c, n in runs)
+    return text + (f" ({layout.pp_schedule}, v={layout.virtual_stages})")
+
+
+def format_plan(
+    name: str,
+    shape: ModelShape,
+    topo: Topology,
+    p: Plan,
+    seq_len: int,
+    assumes: dict,
+    global_batch: int = 0,
+) -> str:
+    """The readable report; `global_batch`: the configured batch, named when the layout trains
+    a smaller one (a batch tolerance)."""
     b, d = p.best, p.best.layout.dims
     gb, t = b.memory.as_gb(), b.step_time
+    real = b.layout.global_batch
+    batch = f"{real} of {global_batch}" if global_batch and real != global_batch else f"{real}"
     lines = [
         f"model   {name}: {shape.num_params / 1e9:.2f}B params, {shape.n_layers} layers, dim {shape.dim}",
+        "assumes " + ", ".join(f"{k} {v}" for k, v in assumes.items()),
         f"cluster {topo.num_nodes} node(s) x {topo.accelerators_per_node} accelerators, "
-        f"{topo.memory_per_accelerator / 1e9:.0f} GB each; global batch {b.layout.global_batch} x "
+        f"{topo.memory_per_accelerator / 1e9:.0f} GB each; global batch {batch} x "
         f"{seq_len} tokens",
         "",
         f"layout  {b.layout.describe()}  (world {d.world_size})",
         f"        tp={d.tp} pp={d.pp} dp={d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}) "
         f"zero={b.layout.zero_stage} micro_batch={b.layout.micro_batch} "
         f"grad_accum={b.layout.grad_accum}",
+        *([f"        blocks per stage {_stages(shape, b.layout)}"] if d.pp > 1 else []),
         "",
         "memory per rank (GB)",
         *(
@@ -179,24 +251,38 @@ def run_plan(args: argparse.Namespace) -> int:
         pins = LayoutPins(
             tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch
         )
-        result = plan(
-            shape,
-            topo,
-            global_batch=batch,
-            seq_len=args.seq_len,
-            pins=pins,
-            precision=args.precision,
-            margin=args.margin,
-            mfu=args.mfu,
-            top_k=args.top_k,
-        )
+        kw = {
+            "global_batch": batch,
+            "seq_len": args.seq_len,
+            "precision": args.precision,
+            "margin": args.margin,
+            "mfu": args.mfu,
+            "top_k": args.top_k,
+            "engine": args.engine,
+            "batch_tolerance": args.batch_tolerance,
+        }
+        result = plan(shape, topo, pins=engine_pins(args.engine, pins), **kw)
+        # With pins, also the free pick, and why it differs from the pinned layout.
+        free = None
+        if pins != LayoutPins():
+            free = plan(shape, topo, pins=engine_pins(args.engine, LayoutPins()), **kw).best
     except (UserError, ValueError) as exc:  # ValueError: out-of-range knobs from the models
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    assumes = assumptions(args)
+    unpinned = versus(free, result.best, result.memory_budget_gb) if free else ""
     if args.json:
-        print(json.dumps(result.to_json(), sort_keys=True))
+        record = {**result.to_json(), "assumes": assumes}
+        if free:
+            record["unpinned"] = {
+                "layout": free.layout.describe(),
+                "step_time_s": round(free.step_time.total_s, 6),
+                "versus_pinned": unpinned,
+            }
+        print(json.dumps(record, sort_keys=True))
     else:
-        print(format_plan(name, shape, topo, result, args.seq_len))
+        text = format_plan(name, shape, topo, result, args.seq_len, assumes, batch)
+        print(text + (f"\n\nunpinned {unpinned}" if free else ""))
     return 0
 
 

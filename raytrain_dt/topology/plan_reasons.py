@@ -98,3 +98,79 @@ def alt_reason(c: Candidate, best: Candidate) -> str:
         f"{delta:+.3g} s ({100 * delta / best.step_time.total_s:+.0f}%) vs best, "
         f"mostly {worst.removesuffix('_s')} ({diffs[worst]:+.3g} s)"
     )
+
+
+def versus(free: Candidate, pinned: Candidate, budget_gb: float) -> str:
+    """Why the planner's free pick differs from a pinned (e.g. a published) layout: the step
+    times, the components that differ most, and the structural causes behind them."""
+    a, b = free.layout, pinned.layout
+    if _structure_of(a) == _structure_of(b):
+        return "the free pick is the pinned layout"
+    ft, pt = free.step_time.total_s, pinned.step_time.total_s
+    parts = [
+        f"free pick {a.describe()} at {ft:.3g} s/step is {abs(pt - ft):.3g} s "
+        f"({100 * abs(pt - ft) / pt:.0f}%) {'faster' if ft <= pt else 'slower'} than the pinned "
+        f"layout ({pt:.3g} s)"
+    ]
+    diffs = {
+        k.removesuffix("_s"): pinned.step_time.as_dict()[k] - v
+        for k, v in free.step_time.as_dict().items()
+        if k not in ("total_s", "dp_hidden_s")
+    }
+    big = sorted((k for k in diffs if abs(diffs[k]) >= 0.01 * pt), key=lambda k: -abs(diffs[k]))
+    if big:
+        parts.append("pinned minus free: " + ", ".join(f"{k} {diffs[k]:+.3g} s" for k in big[:3]))
+    if a.dims.world_size != b.dims.world_size:
+        parts.append(f"{a.dims.world_size} vs {b.dims.world_size} accelerators")
+    if b.activation_checkpointing and not a.activation_checkpointing:
+        parts.append("the pinned layout recomputes activations (1/3 more compute)")
+    if a.dims.tp != b.dims.tp:
+        parts.append(f"tp={a.dims.tp} vs {b.dims.tp}: GEMM width and TP traffic")
+    if a.dims.pp != b.dims.pp or a.virtual_stages != b.virtual_stages:
+        parts.append(
+            f"pp={a.dims.pp} (v={a.virtual_stages}) vs {b.dims.pp} (v={b.virtual_stages}): bubble"
+        )
+    if a.zero_stage != b.zero_stage:
+        parts.append(f"zero={a.zero_stage} vs {b.zero_stage}: data-parallel traffic and memory")
+    elif a.dims.dp_replicate != b.dims.dp_replicate:
+        parts.append(
+            f"dp {a.dims.dp_replicate} x {a.dims.dp_shard} vs {b.dims.dp_replicate} x "
+            f"{b.dims.dp_shard} (replicate x shard): where the sharded traffic runs"
+        )
+    if a.micro_batch != b.micro_batch:
+        parts.append(f"micro_batch={a.micro_batch} vs {b.micro_batch}")
+    if pinned.memory.total > budget_gb * GB:
+        parts.append(
+            f"the pinned layout needs {pinned.memory.total / GB:.1f} GB per accelerator, "
+            f"over the {budget_gb:.0f} GB budget, so the planner cannot choose it: "
+            + over_budget_term(pinned.memory, budget_gb)
+        )
+    return "; ".join(parts)
+
+
+def over_budget_term(memory, budget_gb: float) -> str:
+    """Which of activations and model states (parameters, gradients, optimizer state) breaks
+    the budget, and by how much: the larger one against what the budget leaves it beside the
+    other and the margin."""
+    margin = memory.margin / memory.total
+    terms = {
+        "activations": memory.activations / GB,
+        "model states": (memory.params + memory.grads + memory.optimizer) / GB,
+    }
+    big, small = sorted(terms, key=lambda k: -terms[k])
+    room = budget_gb * (1.0 - margin) - terms[small]
+    return (
+        f"its {big} ({terms[big]:.1f} GB) are {terms[big] - room:.1f} GB over the {room:.1f} GB "
+        f"the budget leaves them beside its {small} ({terms[small]:.1f} GB) and the "
+        f"{margin:.0%} margin"
+    )
+
+
+def _structure_of(lay: Layout) -> tuple:
+    return (
+        lay.dims.shape,
+        lay.zero_stage,
+        lay.micro_batch,
+        lay.activation_checkpointing,
+        lay.virtual_stages,
+    )

@@ -8,18 +8,26 @@ arithmetic: deterministic, no side effects, and fast enough (well under a second
 8192 GPUs) to run on every resize.
 
 Rules: TP divides the accelerators per node (TP never leaves NVLink) and the head counts;
-PP divides the layers; the global batch G is kept exactly. Where dp divides G each rank reads
+PP is a divisor of the layers or a power of two up to them (uneven stages balanced by cost,
+`pipeline_stages.py`); the global batch G is kept exactly. Where dp divides G each rank reads
 G/dp samples; otherwise (pp == 1 only) ranks read slices one sample apart in ceil(G/dp) slots
 and the spare slots are zero-weighted padding (`Layout.real_global_batch`, `data.order`,
 `engines.micro_loss`), priced as compute. G being fixed, the shortest step is the highest
 throughput; within THROUGHPUT_TIE of it fewer accelerators win, then exact layouts. So the math
 of the run never changes with the cluster size, and a lost node costs about its share.
+
+With a batch tolerance t (`trainer.batch_tolerance`) the planner may also train a smaller real
+batch (1 - t) * G <= G' < G, split exactly (G' = dp x slots), when that fits the ranks better:
+1,023 nodes for G = 1,024 at one sample per rank train G' = 1,023 instead of dropping to 512
+nodes. Layouts are then ranked by time per sample (per G samples); within THROUGHPUT_TIE of the
+best, the largest batch wins first, so G is kept whenever it costs less than the tie.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 from dataclasses import dataclass, field
 
 from raytrain_dt.errors import ConfigError, PlanningError
@@ -38,6 +46,7 @@ from raytrain_dt.topology.memory import (
 )
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.pins import LayoutPins, engine_refusal, validate_pins
+from raytrain_dt.topology.pipeline_stages import pipeline_degrees, schedule_variants
 from raytrain_dt.topology.plan_reasons import alt_reason, best_reason, states_gb
 
 
@@ -81,6 +90,7 @@ _LAYOUT_KEYS = (
     "offload_optimizer",
     "pp_schedule",
     "virtual_stages",
+    "pp_layers",
 )
 
 
@@ -109,7 +119,9 @@ def _tp_pp(shape, topo, pins):
     v = pins.virtual_stages or 1
     heads = (shape.n_heads, shape.n_kv_heads)
     tps = [t for t in _divisors(topo.accelerators_per_node) if not any(h % t for h in heads)]
-    pps = [p for p in _divisors(shape.n_layers) if p == 1 or shape.n_layers % (p * v) == 0]
+    pps = [p for p in pipeline_degrees(shape.n_layers) if p * v <= shape.n_layers]
+    if pins.pp_layers:
+        pins = dataclasses.replace(pins, pp=pins.pp or len(pins.pp_layers) // v)
     tps, pps = [pins.tp] if pins.tp else tps, [pins.pp] if pins.pp else pps
     return list(itertools.product(tps, pps))
 
@@ -156,13 +168,48 @@ def _per_rank_slots(global_batch: int, dp: int, pp: int, pins) -> int | None:
     return -(-share // unit) * unit
 
 
-def _grid(shape, topo, pins, global_batch):
-    """(tp, pp, dp, slots per rank) cells of every world up to the cluster that honour the pins."""
+def smallest_batch(global_batch: int, tolerance: float) -> int:
+    """The smallest real global batch `trainer.batch_tolerance` allows: ceil((1 - t) * G)."""
+    return max(1, math.ceil(global_batch * (1.0 - tolerance) - 1e-9))
+
+
+def _grid(shape, topo, pins, global_batch, least_batch=0):
+    """(tp, pp, dp, slots per rank, real batch) cells of every world up to the cluster that
+    honour the pins: the exact global batch, and with a tolerance (`least_batch` < G) each
+    smaller exact batch dp x share >= least_batch, at the largest dp for its share."""
+    least_batch = least_batch or global_batch
     for tp, pp in _tp_pp(shape, topo, pins):
-        for dp in _dp_degrees(global_batch, topo.num_accelerators // (tp * pp), pins):
+        most = topo.num_accelerators // (tp * pp)
+        dps = _dp_degrees(global_batch, most, pins)
+        for dp in dps:
             slots = _per_rank_slots(global_batch, dp, pp, pins)
             if slots:
-                yield tp, pp, dp, slots
+                yield tp, pp, dp, slots, global_batch
+        if least_batch >= global_batch:
+            continue
+        found = set()
+        for dp in {*dps, *_tolerated_dps(global_batch, least_batch, most, pins)}:
+            for share in range(-(-least_batch // dp), -(-global_batch // dp) + 1):
+                batch = share * dp
+                if least_batch <= batch < global_batch and (dp, batch) not in found:
+                    found.add((dp, batch))
+                    if _per_rank_slots(batch, dp, pp, pins) == share:
+                        yield tp, pp, dp, share, batch
+
+
+def _tolerated_dps(global_batch: int, least_batch: int, most: int, pins) -> set[int]:
+    """For each per-rank share, the largest dp (up to `most`, a multiple of the pinned DP
+    degree) whose exact batch dp x share is within the tolerance."""
+    if pins.dp_replicate and pins.dp_shard:
+        return set()
+    step = pins.dp_replicate or pins.dp_shard or 1
+    out = set()
+    for share in range(1, global_batch + 1):
+        dp = min(most, global_batch // share)
+        dp -= dp % step
+        if dp >= 1 and dp * share >= least_batch:
+            out.add(dp)
+    return out
 
 
 def _dp_splits(dp, zero, tp, topo, pins):
@@ -183,14 +230,15 @@ def _dp_splits(dp, zero, tp, topo, pins):
 
 @dataclass(frozen=True)
 class _Opts:
-    global_batch: int
+    global_batch: int  # the configured batch G: times are compared per G samples
     seq_len: int
     precision: str
     margin: float
-    mfu: float
+    mfu: float | None
     max_micro_batch: int
     engine: str
     async_save: bool = True
+    memory_copies: bool = False
 
 
 @dataclass(frozen=True)
@@ -217,6 +265,7 @@ def _host_need(
         precision=o.precision,
         async_save=o.async_save,
         device_bytes=device,
+        memory_copies=o.memory_copies,
     )
     return _HostNeed(layout, rank, ranks_per_node(layout, topo))
 
@@ -236,9 +285,9 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
     zeros = [pins.zero_stage] if pins.zero_stage is not None else [0, 1, 2, 3]
     ac_pin = pins.activation_checkpointing
     acs = [ac_pin] if ac_pin is not None else [False, True]
-    for tp, pp, dp, per_rank in cells:
+    for tp, pp, dp, per_rank, batch in cells:
         world = tp * pp * dp
-        real = o.global_batch if per_rank * dp != o.global_batch else 0  # 0: exact, no padding
+        real = batch if per_rank * dp != batch else 0  # 0: exact, no padding
         if pins.micro_batch or pins.grad_accum:
             mbs = [pins.micro_batch or per_rank // pins.grad_accum]
         else:
@@ -276,11 +325,15 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
                         sched,
                         v,
                         real_global_batch=real,
+                        pp_layers=(pins.pp_layers or ()) if pp > 1 else (),
                     )
                     kw = {"seq_len": o.seq_len, "precision": o.precision}
                     found = [
                         (lay, estimate_memory(shape, lay, margin=o.margin, engine=o.engine, **kw))
-                        for lay in _grad_sync_variants(layout, pins, o.engine)
+                        for scheduled in schedule_variants(
+                            layout, shape.n_layers, pins.pp_schedule, pins.virtual_stages
+                        )
+                        for lay in _grad_sync_variants(scheduled, pins, o.engine)
                     ]
                     fits = [(lay, m) for lay, m in found if m.total <= topo.memory_per_accelerator]
                     if not found:
@@ -323,8 +376,9 @@ def _search(shape, topo, pins, cells, o: _Opts, allow_offload=False):
     """
 
     def floor(cell):
-        tp, pp, _, slots = cell
-        return compute_s(shape, slots, tp * pp, topo, seq_len=o.seq_len, mfu=o.mfu)
+        tp, pp, _, slots, batch = cell
+        compute = compute_s(shape, slots, tp * pp, topo, seq_len=o.seq_len, mfu=o.mfu, tp=tp)
+        return compute * o.global_batch / batch
 
     fitting: list[Candidate] = []
     leanest: Candidate | None = None
@@ -335,17 +389,25 @@ def _search(shape, topo, pins, cells, o: _Opts, allow_offload=False):
             break
         found, lean, host = _enumerate(shape, topo, pins, [cell], o, allow_offload)
         fitting += found
-        fastest = min([fastest] + [c.step_time.total_s for c in found])
+        fastest = min([fastest] + [per_batch_s(c, o.global_batch) for c in found])
         if lean and (leanest is None or lean.memory.total < leanest.memory.total):
             leanest = lean
         host_miss = _leaner(host_miss, host)
     return fitting, leanest, host_miss
 
 
-def _rank_key(c: Candidate):
+def per_batch_s(c: Candidate, global_batch: int) -> float:
+    """Seconds to train `global_batch` samples at this layout: its step time when it trains
+    the whole batch, longer when a tolerated smaller batch takes more steps."""
+    if c.layout.global_batch == global_batch:
+        return c.step_time.total_s
+    return c.step_time.total_s * global_batch / c.layout.global_batch
+
+
+def _rank_key(c: Candidate, global_batch: int):
     lay, d = c.layout, c.layout.dims
     # 6 significant digits: equal-volume collectives computed along different paths tie.
-    speed = float(f"{c.step_time.total_s:.6g}")
+    speed = float(f"{per_batch_s(c, global_batch):.6g}")
     prefs = (d.tp, d.pp, lay.zero_stage, lay.activation_checkpointing, -lay.micro_batch)
     return (speed, *prefs, lay.offload_optimizer, d.dp_replicate, not lay.sequence_parallel)
 
@@ -359,25 +421,42 @@ def plan(
     pins: LayoutPins | None = None,
     precision: str = "bf16",
     margin: float = 0.10,
-    mfu: float = 0.45,
+    mfu: float | None = None,
     max_micro_batch: int = 16,
     top_k: int = 5,
     engine: str = "fsdp2",
     async_save: bool = True,
+    batch_tolerance: float = 0.0,
+    memory_copies: bool = False,
 ) -> Plan:
     """The fastest fitting layout and up to `top_k` structurally different alternatives.
-    `async_save`: checkpoints are staged in host memory (`checkpoint.async_save`)."""
+    `async_save`: checkpoints are staged in host memory (`checkpoint.async_save`);
+    `batch_tolerance`: `trainer.batch_tolerance` (the module docstring);
+    `memory_copies`: so are in-memory copies of the state (`checkpoint.memory_every_steps`)."""
     pins = pins or LayoutPins()
     for key, value in (("trainer.global_batch", global_batch), ("data.seq_len", seq_len)):
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
+    if not 0.0 <= batch_tolerance < 1.0:
+        raise ConfigError(f"trainer.batch_tolerance: must be in [0, 1), got {batch_tolerance}")
     validate_pins(shape, topology, pins, global_batch, engine)
     if engine == "deepspeed":
         # No tensor parallelism; pipelines only with ZeRO-1 (`engine_refusal`, in `_enumerate`).
         pins = dataclasses.replace(pins, tp=1)
     n, per_node = topology.num_accelerators, topology.accelerators_per_node
-    opts = _Opts(global_batch, seq_len, precision, margin, mfu, max_micro_batch, engine, async_save)
-    cells = list(_grid(shape, topology, pins, global_batch))
+    opts = _Opts(
+        global_batch,
+        seq_len,
+        precision,
+        margin,
+        mfu,
+        max_micro_batch,
+        engine,
+        async_save,
+        memory_copies,
+    )
+    least = smallest_batch(global_batch, batch_tolerance)
+    cells = list(_grid(shape, topology, pins, global_batch, least))
     if not cells:
         raise PlanningError(
             f"no layout of up to {n} accelerators honours the pins and splits "
@@ -402,16 +481,28 @@ def plan(
             f"{per_node} accelerators of {topology.memory_per_accelerator / GB:.0f} GB; the leanest "
             f"layout ({desc}) needs {need:.1f} GB per accelerator"
         )
-    ranked = sorted(fitting, key=_rank_key)
-    # The global batch is fixed, so the shortest step is the highest throughput. Within
-    # THROUGHPUT_TIE of it, fewer accelerators win (they are spares for the next failure),
-    # then exact layouts, then the usual order.
-    fastest = ranked[0].step_time.total_s
+    ranked = sorted(fitting, key=lambda c: _rank_key(c, global_batch))
+    # The shortest time per G samples is the highest throughput (with the exact batch: the
+    # shortest step). Within THROUGHPUT_TIE of it, the largest batch wins (the configured one
+    # whenever it is in the tie), then fewer accelerators (spares for the next failure), then
+    # exact layouts, then the usual order.
+    fastest = per_batch_s(ranked[0], global_batch)
     best = min(
-        (c for c in ranked if c.step_time.total_s <= fastest * (1 + THROUGHPUT_TIE)),
-        key=lambda c: (c.layout.dims.world_size, c.layout.padded_slots > 0, _rank_key(c)),
+        (c for c in ranked if per_batch_s(c, global_batch) <= fastest * (1 + THROUGHPUT_TIE)),
+        key=lambda c: (
+            -c.layout.global_batch,
+            c.layout.dims.world_size,
+            c.layout.padded_slots > 0,
+            _rank_key(c, global_batch),
+        ),
     )
-    reason = best_reason(best, fitting, shape, precision, engine, THROUGHPUT_TIE)
+    same_batch = [c for c in fitting if c.layout.global_batch == best.layout.global_batch]
+    reason = best_reason(best, same_batch, shape, precision, engine, THROUGHPUT_TIE)
+    if best.layout.global_batch < global_batch:
+        reason = (
+            f"trains global batch {best.layout.global_batch} of {global_batch} "
+            f"(trainer.batch_tolerance={batch_tolerance:g}): the fastest per sample; {reason}"
+        )
     world = best.layout.dims.world_size
     if world < n:
         reason = f"uses {world} of {n} accelerators: more would not be faster; {reason}"

@@ -7,16 +7,15 @@ functions (`sim/sim_planner.py`).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 
-from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.config.schema import TrainConfig, memory_copy_interval
 from raytrain_dt.errors import PlanningError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.host_memory import checkpoint_bytes
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.nodes import NodeInfo, planning_topology
-from raytrain_dt.topology.pins import LayoutPins
+from raytrain_dt.topology.pins import LayoutPins, engine_pins
 from raytrain_dt.topology.planner import Plan, plan
 from raytrain_dt.topology.precision import resolve_precision
 
@@ -25,10 +24,7 @@ log = logging.getLogger(__name__)
 
 def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gpu: bool) -> Plan:
     """Plan the layout for this cluster; whatever the config pins is honoured and validated."""
-    pins = LayoutPins.from_config(cfg)
-    if cfg.engine.name != "fsdp2" and pins.pp is None:
-        # Only the FSDP2 engine runs pipeline stages, so no other engine may be planned onto one.
-        pins = dataclasses.replace(pins, pp=1)
+    pins = engine_pins(cfg.engine.name, LayoutPins.from_config(cfg))
     return plan(
         shape,
         topology,
@@ -38,6 +34,8 @@ def choose_layout(cfg: TrainConfig, shape: ModelShape, topology: Topology, on_gp
         precision=resolve_precision(cfg.engine.precision, on_gpu),
         engine=cfg.engine.name,
         async_save=cfg.checkpoint.async_save,
+        batch_tolerance=cfg.trainer.batch_tolerance,
+        memory_copies=memory_copy_interval(cfg.checkpoint, on_gpu) > 0,
     )
 
 

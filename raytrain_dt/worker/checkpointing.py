@@ -60,26 +60,47 @@ class RankCheckpointer:
         self.agree_group = dist.new_group(backend="gloo")
         self.requested = threading.Event()
         self.stop_requested = threading.Event()
+        # A drain whose state stays in host memory (`peer_copies`): the agreed save is an
+        # in-memory copy, not a write to storage. Set by `agree_requested`, on every rank alike.
+        self.memory_requested = threading.Event()
+        self.memory_only = False
+        # Whether this rank's in-memory copy is still in flight (`peer_copies`), and whether
+        # every rank's is done at this boundary: copies are taken by all ranks at the same
+        # steps or by none, or no step would have a complete set.
+        self.copy_busy: Callable[[], bool] = lambda: False
+        self.copy_free = True
         # The save in flight: its write, and an event set once its outcome is reported.
         self._pending: tuple[Future, threading.Event] | None = None
 
     # --- requests ----------------------------------------------------------------------------
-    def request(self, stop: bool = False) -> None:
+    def request(self, stop: bool = False, memory_only: bool = False) -> None:
         """Ask for a save at the next step boundary (preemption notice, resize), and with
-        `stop` for the loop to end right after it."""
+        `stop` for the loop to end right after it; with `memory_only` the save is an in-memory
+        copy (a planned resize whose state stays in host memory)."""
+        if memory_only:
+            self.memory_requested.set()
         if stop:
             self.stop_requested.set()
         self.requested.set()
 
     def agree_requested(self) -> tuple[bool, bool]:
         """(save, stop), the same on every rank: if any rank was asked, all ranks act at this
-        very step boundary, so the save's collectives line up."""
-        local = [self.requested.is_set(), self.stop_requested.is_set()]
+        very step boundary, so the save's collectives line up. Also agrees `memory_only` and
+        `copy_free` (in-memory copies), in the same all-reduce."""
+        local = [
+            self.requested.is_set(),
+            self.stop_requested.is_set(),
+            self.memory_requested.is_set(),
+            self.copy_busy(),
+        ]
         flags = torch.tensor([int(f) for f in local], dtype=torch.int32)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.agree_group)
         save, stop = bool(flags[0]), bool(flags[1])
+        self.memory_only = save and bool(flags[2])
+        self.copy_free = not bool(flags[3])
         if save:
             self.requested.clear()
+            self.memory_requested.clear()
         if stop:
             self.stop_requested.clear()
         return save, stop
@@ -142,25 +163,35 @@ class RankCheckpointer:
     def _save_rng(self, uri: str, written: FileDigests) -> None:
         loc = Location.parse(uri).child(RNG_DIR)
         loc.makedirs()
-        buffer = io.BytesIO()
-        state = {"cpu": torch.get_rng_state()}
-        if self.device.is_accelerator:  # dropout and friends draw from the device's generator
-            state[self.device.device_type] = self.device.module.get_rng_state(self.device.index)
-        torch.save(state, buffer)
+        data = rng_state_bytes(self.device)
         name = f"rank_{self.rank}.pt"
         with loc.fs.open(loc.child(name).path, "wb") as f:
-            f.write(buffer.getvalue())
-        written.add_bytes(f"{RNG_DIR}/{name}", buffer.getvalue())
+            f.write(data)
+        written.add_bytes(f"{RNG_DIR}/{name}", data)
 
     def restore_rng(self, uri: str) -> None:
         loc = Location.parse(uri).child(RNG_DIR, f"rank_{self.rank}.pt")
         if loc.exists():
             with loc.fs.open(loc.path, "rb") as f:
-                state = torch.load(io.BytesIO(f.read()), weights_only=True)
-            if isinstance(state, torch.Tensor):  # written before device states were kept
-                state = {"cpu": state}
-            torch.set_rng_state(state["cpu"])
-            # A checkpoint from another device kind restores the CPU generator only.
-            device_state = state.get(self.device.device_type)
-            if self.device.is_accelerator and device_state is not None:
-                self.device.module.set_rng_state(device_state, self.device.index)
+                restore_rng_bytes(f.read(), self.device)
+
+
+def rng_state_bytes(device: DeviceSpec) -> bytes:
+    """This process's generators (the CPU's and `device`'s), as a checkpoint keeps them."""
+    buffer = io.BytesIO()
+    state = {"cpu": torch.get_rng_state()}
+    if device.is_accelerator:  # dropout and friends draw from the device's generator
+        state[device.device_type] = device.module.get_rng_state(device.index)
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def restore_rng_bytes(data: bytes, device: DeviceSpec) -> None:
+    state = torch.load(io.BytesIO(data), weights_only=True)
+    if isinstance(state, torch.Tensor):  # written before device states were kept
+        state = {"cpu": state}
+    torch.set_rng_state(state["cpu"])
+    # A checkpoint from another device kind restores the CPU generator only.
+    device_state = state.get(device.device_type)
+    if device.is_accelerator and device_state is not None:
+        device.module.set_rng_state(device_state, device.index)

@@ -19,3 +19,16 @@ def set_collective_timeout(seconds: float) -> datetime.timedelta:
     c10d.default_pg_timeout = timeout
     c10d.default_pg_nccl_timeout = timeout
     return timeout
+
+
+def join_timeout(collective: datetime.timedelta, join_s: float | None) -> datetime.timedelta:
+    """The world group's timeout while it forms: `join_s` (the formation's time left) when
+    shorter than the collectives'. `init_process_group` waits that long for every peer's
+    address; `restore_world_timeout` then gives the world group's collectives theirs."""
+    if join_s is None:
+        return collective
+    return min(collective, datetime.timedelta(seconds=max(1.0, join_s)))
+
+
+def restore_world_timeout(collective: datetime.timedelta) -> None:
+    c10d._set_pg_timeout(collective)

@@ -27,12 +27,39 @@ SPOT_POLL_INTERVAL_S = 1.0
 IMDS_TOKEN_PATH = "/latest/api/token"
 
 
+# The board SIGTERM goes to while a rank trains (`catch_sigterm`), and the handler the router
+# replaced (Ray's), which SIGTERM goes to otherwise.
+_armed: NoticeBoard | None = None
+_replaced_sigterm: object = signal.SIG_DFL
+
+
+def route_sigterm() -> None:
+    """Install, once and from the main thread (the only one that may: with concurrency groups
+    Ray runs an actor's methods on other threads, its constructor on the main one), a SIGTERM
+    handler that hands the signal to the armed board, else to the handler it replaced."""
+    global _replaced_sigterm
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def on_sigterm(signum, frame):
+        board = _armed
+        if board is not None:
+            board.on_sigterm()
+        elif callable(_replaced_sigterm):
+            _replaced_sigterm(signum, frame)
+        elif _replaced_sigterm != signal.SIG_IGN:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    _replaced_sigterm = signal.signal(signal.SIGTERM, on_sigterm)
+
+
 class NoticeBoard:
     def __init__(self, node_id: str):
         self.node_id = node_id
         self.notice: Notice | None = None
         self._watching: str | None = None
-        self._previous_sigterm = None
+        self._grace_s = 0.0
 
     def post(self, source: str, detail: str) -> None:
         if self.notice is None:
@@ -41,30 +68,24 @@ class NoticeBoard:
 
     # --- SIGTERM -----------------------------------------------------------------------------
     def catch_sigterm(self, grace_s: float) -> None:
-        """From now on SIGTERM is a notice, and the process exits `grace_s` later (a second
-        SIGTERM exits at once). Only the main thread may install handlers."""
-        if threading.current_thread() is not threading.main_thread():
-            return
+        """From now on SIGTERM (routed here by `route_sigterm`) is a notice, and the process
+        exits `grace_s` later (a second SIGTERM exits at once). Any thread may call it."""
+        global _armed
+        self._grace_s, _armed = grace_s, self
 
-        def on_sigterm(signum, frame):
-            if self.notice is not None and self.notice.source == "sigterm":
-                os._exit(1)
-            self.post("sigterm", f"SIGTERM to pid {os.getpid()}; exiting in {grace_s:.0f}s")
-            timer = threading.Timer(grace_s, os._exit, args=(1,))
-            timer.daemon = True
-            timer.start()
-
-        previous = signal.signal(signal.SIGTERM, on_sigterm)
-        if self._previous_sigterm is None:
-            self._previous_sigterm = previous
+    def on_sigterm(self) -> None:
+        if self.notice is not None and self.notice.source == "sigterm":
+            os._exit(1)
+        self.post("sigterm", f"SIGTERM to pid {os.getpid()}; exiting in {self._grace_s:.0f}s")
+        timer = threading.Timer(self._grace_s, os._exit, args=(1,))
+        timer.daemon = True
+        timer.start()
 
     def release_sigterm(self) -> None:
-        """Give SIGTERM back to Ray's handler (the actor is between layouts)."""
-        if self._previous_sigterm is not None and (
-            threading.current_thread() is threading.main_thread()
-        ):
-            signal.signal(signal.SIGTERM, self._previous_sigterm)
-            self._previous_sigterm = None
+        """Give SIGTERM back to the replaced handler (the actor is between layouts)."""
+        global _armed
+        if _armed is self:
+            _armed = None
 
     # --- spot notice -------------------------------------------------------------------------
     def watch_spot(self, url: str | None) -> None:

@@ -42,20 +42,42 @@ from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.parallel.device_mesh import build_mesh
 from raytrain_dt.worker.checkpointing import RankCheckpointer
-from raytrain_dt.worker.collective_timeout import set_collective_timeout
+from raytrain_dt.worker.collective_timeout import (
+    join_timeout,
+    restore_world_timeout,
+    set_collective_timeout,
+)
 from raytrain_dt.worker.input_stream import open_stream
 from raytrain_dt.worker.layout_release import (
     abort_process_groups,
     forget_layout_caches,
     where_thread_is,
 )
-from raytrain_dt.worker.notices import NoticeBoard
-from raytrain_dt.worker.rank_chaos import RankChaos
-from raytrain_dt.worker.reports import RankStatus, TrainStateReport
+from raytrain_dt.worker.notices import NoticeBoard, route_sigterm
+from raytrain_dt.worker.peer_copies import (
+    COPY_GROUP,
+    COPY_GROUP_THREADS,
+    CopyKey,
+    CopyStore,
+    PeerCopier,
+    load_from_copies,
+)
+from raytrain_dt.worker.rank_chaos import RankChaos, die_joining
+from raytrain_dt.worker.rendezvous import join_store
+from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus, TrainStateReport
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 
 log = logging.getLogger("raytrain_dt.rank")
+
+# How long an aborted collective may take to raise in the training thread before the actor is
+# given up. A survivor given up takes its in-memory copies (its own and a peer's) with it, and
+# a replacement costs a process start: seconds; on a loaded host the abort takes over 0.2 s.
+ABORTED_COLLECTIVE_GRACE_S = 2.0
+
+# What `ray.remote` makes the actor class with: copies are held and read beside set-up, and
+# polls and teardown are answered during a set-up (which may be waiting on a dead peer).
+ACTOR_CONCURRENCY_GROUPS = {COPY_GROUP: COPY_GROUP_THREADS, CONTROL_GROUP: 1}
 
 
 def free_port() -> int:
@@ -86,6 +108,7 @@ def import_lazy_torch_modules() -> None:
 class RankWorker:
     def __init__(self, run_dir: str, actor_index: int):
         self._init_at = time.time()
+        route_sigterm()  # the constructor runs on the main thread, the methods do not
         self.run_dir = Path(run_dir)
         self.actor_index = actor_index
         self.spec: RankSpec | None = None
@@ -102,11 +125,16 @@ class RankWorker:
         # Queued first, so it runs while the coordinator is still deciding what to do with us.
         self._torch_thread.submit(self._import_lazy_torch_modules)
         self._training: Future | None = None
+        self._setting_up: Future | None = None  # this layout's `_build`, until it returns
+        self._store = None  # the layout's TCPStore (rank 0 serves it), while in the layout
         self._torch_thread_id = 0  # its ident, for saying where it is stuck
         self._stop = threading.Event()
         self._error: str | None = None
         self._done = False
         self.notices: NoticeBoard | None = None
+        # In-memory copies this actor holds (its ranks' and its peers'): they outlive layouts.
+        self.copies = CopyStore()
+        self._copier: PeerCopier | None = None
         self._device = None  # this layout's DeviceSpec (set by `_build`)
         logs = self.run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -156,11 +184,13 @@ class RankWorker:
 
             self.notices = NoticeBoard(ray.get_runtime_context().get_node_id())
         # While it trains, a SIGTERM is a preemption notice for its node, not a sudden death.
-        self.notices.catch_sigterm(spec.cfg.elastic.sigterm_grace_s)  # main thread only
+        self.notices.catch_sigterm(spec.cfg.elastic.sigterm_grace_s)
         self.notices.watch_spot(spec.cfg.elastic.spot_notice_url)
-        return self._torch_thread.submit(self._build, spec).result()
+        self._setting_up = self._torch_thread.submit(self._build, spec)
+        return self._setting_up.result()
 
     def _build(self, spec: RankSpec) -> dict:
+        self._torch_thread_id = threading.get_ident()
         timings: dict[str, float] = {}
         # Host memory of the idle actor (torch imported), and the peak from here on: this
         # layout's own (a reused actor's earlier layouts do not count).
@@ -179,12 +209,21 @@ class RankWorker:
             RANK=str(spec.rank),
             WORLD_SIZE=str(spec.world_size),
         )
+        collective = set_collective_timeout(spec.cfg.comm.timeout_s)
+        joining = join_timeout(collective, spec.join_timeout_s)
+        die_joining(spec.cfg.chaos, spec.rank)
+        # Every peer is in before the group forms; a teardown meanwhile (`_stop`) ends the wait.
+        self._store = join_store(
+            spec.master_addr, spec.master_port, spec.rank, spec.world_size, joining, self._stop
+        )
         dist.init_process_group(
             backend=device.backend,
+            store=self._store,
             rank=spec.rank,
             world_size=spec.world_size,
-            timeout=set_collective_timeout(spec.cfg.comm.timeout_s),
+            timeout=joining,
         )
+        restore_world_timeout(collective)
         mesh = build_mesh(spec.layout.dims, device.device_type)
         timings["process_group_s"] = time.perf_counter() - t0
 
@@ -193,7 +232,8 @@ class RankWorker:
         # For the checkpoint record: the full model's shapes, from its structure alone.
         meta = model_spec.build(spec.cfg.data.seq_len, spec.cfg.run.seed, device="meta")
         self._tensor_shapes = tensor_shapes(meta.state_dict())
-        init_from = None if spec.resume_from else spec.cfg.model.init_from  # a checkpoint wins
+        resuming = spec.resume_from or spec.memory_resume
+        init_from = None if resuming else spec.cfg.model.init_from  # a checkpoint wins
         weights = initial_weights(model_spec, spec.cfg.run.seed, init_from)
         # The engine materializes only this rank's shards (`models.materialize`).
         self.engine = build_engine(
@@ -219,8 +259,22 @@ class RankWorker:
         # Reported in the `model_built` event (what building the model cost in host memory).
         peak_rss = host_memory()["host_rss_peak_bytes"]
         timings.update(host_rss_idle_bytes=idle_rss, host_rss_peak_bytes=peak_rss)
+        self._copier = self._peer_copier(spec, device)
+        if self._copier is not None:
+            self.checkpointer.copy_busy = lambda: self._copier.busy
         t_load = time.perf_counter()
-        if spec.resume_from:
+        if spec.memory_resume is not None:
+            read = load_from_copies(
+                self.engine,
+                device,
+                spec.rank,
+                spec.memory_resume,
+                self.copies,
+                spec.actor_index,
+                spec.resume_from,
+            )
+            timings.update(read)
+        elif spec.resume_from:
             self.engine.load(spec.resume_from)
             self.checkpointer.restore_rng(spec.resume_from)
         timings["checkpoint_load_s"] = time.perf_counter() - t_load
@@ -240,6 +294,26 @@ class RankWorker:
             json.dumps(timings),
         )
         return timings
+
+    def _peer_copier(self, spec: RankSpec, device) -> PeerCopier | None:
+        if not spec.cfg.checkpoint.memory_every_steps or not self.engine.supports_async_save:
+            return None  # DeepSpeed writes its own files: it resumes from durable checkpoints
+        log.info(
+            "rank %d: in-memory copies every %d steps, held here and by actor %s",
+            spec.rank,
+            spec.cfg.checkpoint.memory_every_steps,
+            spec.copy_peer.actor_index if spec.copy_peer else None,
+        )
+        return PeerCopier(
+            self.engine,
+            device,
+            spec.rank,
+            spec.generation,
+            spec.actor_index,
+            self.copies,
+            spec.copy_peer,
+            self._reports.put,
+        )
 
     def start(self) -> None:
         spec = self.spec
@@ -276,6 +350,7 @@ class RankWorker:
                 self.checkpointer.agree_requested,
                 self._chaos,
                 measure_memory=lambda: memory_usage(self._device),
+                copy_state=self._copy_state,
             )
             self.checkpointer.wait()  # the last save is written before the rank reports done
             self._done = True
@@ -283,13 +358,39 @@ class RankWorker:
             self._error = traceback.format_exc()
             log.error("rank %s failed:\n%s", self.spec.rank if self.spec else "?", self._error)
 
+    def _train_state(self, step: int, consumed: int) -> dict:
+        next_lr = scheduled_lr(self.spec.cfg.trainer, step)
+        return train_state_record(self.spec, step, consumed, self._tensor_shapes, next_lr)
+
     def _save(self, step: int, consumed: int) -> None:
         spec = self.spec
+        if self.checkpointer.memory_only and self._copier is not None:
+            # A planned resize: the state stays in host memory, on this actor and its peer's.
+            record = self._train_state(step, consumed) if spec.rank == 0 else None
+            self._copier.copy_now(step, record)
+            every = spec.cfg.checkpoint.every_steps
+            if not (every and step % every == 0):
+                return
         if spec.rank == 0:
-            next_lr = scheduled_lr(spec.cfg.trainer, step)
-            record = train_state_record(spec, step, consumed, self._tensor_shapes, next_lr)
-            self._reports.put(TrainStateReport(step, record))
+            self._reports.put(TrainStateReport(step, self._train_state(step, consumed)))
         self.checkpointer.save(CheckpointStore(spec.checkpoint_root).step_uri(step), step)
+
+    def _copy_state(self, step: int, consumed: int) -> None:
+        every = self.spec.cfg.checkpoint.memory_every_steps
+        if self._copier is None or step % every:
+            return
+        if not self.checkpointer.copy_free:  # a copy in flight somewhere: all ranks skip
+            self._copier.skipped += 1
+            return
+        record = self._train_state(step, consumed) if self.spec.rank == 0 else None
+        self._copier.copy(step, record)
+
+    # --- in-memory copies held for peers (Ray's copy concurrency group: beside set-up) --------
+    def hold_copy(self, key: CopyKey, files: dict[str, bytes]) -> None:
+        self.copies.put(tuple(key), files)
+
+    def read_copy(self, key: CopyKey, name: str) -> bytes | None:
+        return self.copies.get(tuple(key), name)
 
     def verify_checkpoint(self, uri: str, files: dict[str, dict]) -> list[str]:
         """Check this rank's share of a checkpoint's files (size and SHA-256) before any rank
@@ -302,8 +403,8 @@ class RankWorker:
         training right after that save (drain before a resize or preemption)."""
         self.checkpointer.request(stop)
 
-    def request_checkpoint_and_stop(self) -> None:
-        self.checkpointer.request(stop=True)
+    def request_checkpoint_and_stop(self, memory_only: bool = False) -> None:
+        self.checkpointer.request(stop=True, memory_only=memory_only)
 
     def free_port(self) -> int:
         return free_port()
@@ -335,13 +436,14 @@ class RankWorker:
             wait([self._training], timeout=timeout_s)
 
     def teardown(self, grace_s: float = 2.0, save_grace_s: float = 5.0) -> bool:
-        """Leave the current layout: end the loop, let a save in flight finish (for at most
-        `save_grace_s`: its outcome stays queued for the coordinator's next poll, which decides
-        whether that checkpoint commits), free model and data, destroy the process group. The
-        actor (and its imported torch) stays for the next layout. Returns False when the
-        training thread is stuck (in a collective with a dead or hung peer): such an actor
-        cannot be reused and the coordinator replaces it."""
-        self.stop(grace_s)
+        """Leave the current layout: end the loop (or a set-up still joining its peers), let a
+        save in flight finish (for at most `save_grace_s`: its outcome stays queued for the
+        coordinator's next poll, which decides whether that checkpoint commits), free model
+        and data, destroy the process group. The actor (and its imported torch) stays for the
+        next layout. Returns False when the torch thread is stuck (in a collective with a dead
+        or hung peer): such an actor cannot be reused and the coordinator replaces it.
+        Runs in the control concurrency group, beside a set-up that may be waiting."""
+        self.stop(grace_s)  # `_stop` also ends a set-up's wait for its peers (`join_store`)
         # A save runs in threads of its own, so it finishes even when the loop is stuck.
         if self.checkpointer is not None and not self.checkpointer.wait(save_grace_s):
             log.warning(
@@ -349,16 +451,22 @@ class RankWorker:
                 self.spec.rank if self.spec else "?",
                 save_grace_s,
             )
-        if self._training is not None and not self._training.done():
+        if self._setting_up is not None and not self._setting_up.done():
+            # Told to leave (`_stop`), a set-up still joining returns within a poll of its
+            # join; the loop was given its grace by `stop`.
+            wait([self._setting_up], timeout=grace_s)
+        busy = [f for f in (self._training, self._setting_up) if f is not None and not f.done()]
+        if busy:
             # Blocked in a collective with a dead or hung peer: abort the communicators (NCCL's
             # ncclCommAbort; the emulated backend's equivalent), which makes the collective
-            # raise in the training thread, as torchft does, and wait for the thread once more.
+            # raise in the torch thread, as torchft does, and wait for the thread once more.
             where = where_thread_is(self._torch_thread_id)
             abort_process_groups()
-            wait([self._training], timeout=grace_s)
-            if not self._training.done():
+            grace_s = max(grace_s, ABORTED_COLLECTIVE_GRACE_S)
+            wait(busy, timeout=grace_s)
+            if any(not f.done() for f in busy):
                 log.warning(
-                    "rank %s: training thread still busy %.1fs after aborting its "
+                    "rank %s: torch thread still busy %.1fs after aborting its "
                     "groups; not reusable. It is at:\n%s",
                     self.spec.rank if self.spec else "?",
                     grace_s,
@@ -366,7 +474,7 @@ class RankWorker:
                 )
                 return False
             log.info(
-                "rank %s: aborted its process groups; the training thread returned from:\n%s",
+                "rank %s: aborted its process groups; the torch thread returned from:\n%s",
                 self.spec.rank if self.spec else "?",
                 where,
             )
@@ -376,11 +484,16 @@ class RankWorker:
         return True
 
     def _release_layout(self) -> None:
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         self.engine = None
         self.checkpointer = None
         self._batches = None
+        self._setting_up = None
         if dist.is_initialized():  # not after an abort, which has already dropped every group
             dist.destroy_process_group()
+        self._store = None  # rank 0's server closes with it
         forget_layout_caches()
         gc.collect()
         # The layout's model, optimizer and caches are garbage now: hand their accelerator

@@ -1,7 +1,9 @@
 """Rank-side fault injection (tests and demos): the faults a chaos config aims at one rank.
 
 `kill_rank` and `hang_rank` fire at the start of their step, inside the rank's train loop;
-`kill_rank_mid_save` exits once this rank's shards of that step's save are written. Node-level
+`kill_rank_mid_save` exits once this rank's shards of that step's save are written; a
+`kill_rank` with `at: forming` exits as the rank begins joining its peers (`die_joining`): they
+wait in the join for a peer that never comes. Node-level
 faults are the driver's (`control/node_chaos.py`). The coordinator drops actions that already fired
 from the config it hands to later layouts, so each fires once per run.
 """
@@ -25,6 +27,15 @@ log = logging.getLogger("raytrain_dt.rank")
 REPORTS_COLLECTED_WAIT_S = 10.0
 
 
+def die_joining(actions: list[ChaosAction], rank: int) -> None:
+    """Exit now if a `kill_rank` `at: forming` aims at this rank (the coordinator hands a rank
+    such an action only in the formation it is due in: `Chaos.for_formation`)."""
+    for action in actions:
+        if action.action == "kill_rank" and action.at == "forming" and action.target == rank:
+            log.warning("chaos: rank %d exits while joining its peers", rank)
+            os._exit(1)
+
+
 class RankChaos:
     def __init__(
         self,
@@ -37,7 +48,7 @@ class RankChaos:
     ):
         """`wait_for_save`: blocks until the save in flight is reported; `reports`: the
         queue the coordinator's polls drain; `polls`: how many polls the actor has answered."""
-        self.actions = [a for a in actions if a.target == rank]
+        self.actions = [a for a in actions if a.target == rank and a.at == "step"]
         self.any_actions = bool(actions)
         self.rank = rank
         self.step_delay_s = step_delay_s

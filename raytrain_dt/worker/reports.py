@@ -12,6 +12,10 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Literal
 
+# The rank actor's Ray concurrency group for its health polls and its teardown: they are
+# answered while a set-up runs (which may be waiting on a peer that died).
+CONTROL_GROUP = "control"
+
 
 @dataclass(frozen=True)
 class StepMetrics:
@@ -24,6 +28,9 @@ class StepMetrics:
     data_wait_s: float
     tokens_per_s: float
     mfu: float | None = None  # None where the accelerator's peak FLOP/s is unknown
+    # Samples the step trained: the layout's real global batch (smaller than
+    # trainer.global_batch under a batch tolerance). None only from test fakes.
+    global_batch: int | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,22 @@ class SaveFailedReport:
 
 
 @dataclass(frozen=True)
+class MemoryCopyReport:
+    """This rank's in-memory copy of its state after `step` is complete (`worker/peer_copies.py`):
+    held by the actors `holders` (its own first, then its peer's where the transfer finished).
+    `files`: name -> size; `train_state`: the checkpoint record's body (rank 0 only)."""
+
+    generation: int  # the formation whose ranks wrote it (rank numbers are that layout's)
+    step: int
+    rank: int
+    holders: tuple[int, ...]  # actor indexes
+    files: dict[str, int]
+    train_state: dict | None = None
+    copy_s: float = 0.0  # staging to the peer's acknowledgement, in the background
+    skipped: int = 0  # boundaries so far in this layout whose copy every rank skipped (busy)
+
+
+@dataclass(frozen=True)
 class StoppedReport:
     """The loop ended at a step boundary as asked (drain), after that step's save."""
 
@@ -100,6 +123,7 @@ RankReport = (
     | CheckpointStagedReport
     | SavedReport
     | SaveFailedReport
+    | MemoryCopyReport
     | StoppedReport
 )
 

@@ -44,11 +44,13 @@ def run_loop(
     agree_save_requested: Callable[[], tuple[bool, bool]] = lambda: (False, False),
     chaos: Callable[[int], None] = lambda step: None,
     measure_memory: Callable[[], dict] = dict,
+    copy_state: Callable[[int, int], None] = lambda step, consumed: None,
 ) -> int:
     """Train steps [start_step, end_step); returns the number of steps completed in total.
 
     Every rank reports each step (a `StepReport`) with its memory (`measure_memory`); rank 0
-    adds the metrics.
+    adds the metrics. `copy_state(step, consumed)` runs at every step boundary (in-memory
+    copies, `worker/peer_copies.py`: it decides which boundaries copy).
     """
     consumed = spec.consumed_samples
     tokens_per_step = spec.global_batch * spec.seq_len
@@ -74,6 +76,7 @@ def run_loop(
                 data_wait_s=data_wait,
                 tokens_per_s=tokens_per_s,
                 mfu=step_mfu(spec, tokens_per_s),
+                global_batch=spec.global_batch,
             )
         sample_ids = None
         if spec.report_sample_ids:
@@ -91,6 +94,7 @@ def run_loop(
         completed = step + 1
         # Collective: every rank gets the same answer at the same boundary.
         requested, stop_now = agree_save_requested()
+        copy_state(completed, consumed)
         scheduled = spec.checkpoint_every and (
             completed % spec.checkpoint_every == 0 or completed == spec.end_step
         )

@@ -9,12 +9,13 @@ peers fail, as gloo peers do.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_dt.checkpoint.digests import FileDigests, verify_files
-from raytrain_dt.control.recovery import NODE_DIED
+from raytrain_dt.control.group import NODE_DIED, FormationFault
 from raytrain_dt.topology.nodes import NodeInfo
 from raytrain_dt.worker.reports import (
     Notice,
@@ -27,6 +28,7 @@ from raytrain_dt.worker.reports import (
 )
 
 ACCELERATORS_PER_NODE = 2
+_actor_indices = itertools.count()
 
 
 @dataclass
@@ -48,10 +50,17 @@ class FakeCluster:
 @dataclass
 class FakeSlot:
     node_id: str
+    actor_index: int = field(default_factory=lambda: next(_actor_indices))
     pid: int = 0
     state: str = "running"
     error: str | None = None
     notice: Notice | None = None
+    # What in-memory copies name an actor by and call it through (`control/copy_holders.py`).
+    actor_index: int = field(default_factory=lambda: next(_ACTOR_INDEXES))
+    handle: object = None
+
+
+_ACTOR_INDEXES = itertools.count()
 
 
 class FakeRankGroup:
@@ -64,6 +73,9 @@ class FakeRankGroup:
         self.dropped = 0
         self.hung = False
         self.setup_hangs = False  # the next `setup` never returns (its deadline passes)
+        # The next `setup` loses this node (its actors die with it, as Ray reports).
+        self.setup_loses_node: str | None = None
+        self.torn_down: list[list[int] | None] = []  # the ranks of each `teardown` call
         self._stop_requested = False
         self.verified: list[set[str]] = []  # the files checked before each formation
 
@@ -86,12 +98,18 @@ class FakeRankGroup:
             slot.state, slot.error = "running", None
         self.formations.append(dict(counts_by_node))
 
-    def master_endpoint(self) -> tuple[str, int]:
+    def master_endpoint(self, timeout_s: float | None = None) -> tuple[str, int]:
         return "127.0.0.1", 1
 
     def setup(self, specs: list, timeout_s: float | None = None) -> list[dict]:
         if self.setup_hangs:
             raise TimeoutError(f"Get timed out: some object(s) not ready after {timeout_s}s")
+        if self.setup_loses_node:
+            node, self.setup_loses_node = self.setup_loses_node, None
+            for slot in self.slots:
+                if slot.node_id == node:
+                    slot.state, slot.error = "dead", f"ActorDiedError: died {NODE_DIED}."
+            raise FormationFault(f"ActorDiedError on node {node}: {NODE_DIED}", frozenset({node}))
         spec = specs[0]
         self.step, self.end, self.every = (
             spec.start_step,
@@ -121,10 +139,15 @@ class FakeRankGroup:
     def start(self) -> None:
         pass
 
-    def teardown(self, grace_s: float, timeout_s: float = 30.0) -> list[int]:
+    def teardown(
+        self, grace_s: float, timeout_s: float = 30.0, ranks: list[int] | None = None
+    ) -> list[int]:
+        self.torn_down.append(ranks)
         return []
 
-    def request_checkpoint_and_stop(self, timeout_s: float = 30.0) -> list[int]:
+    def request_checkpoint_and_stop(
+        self, timeout_s: float = 30.0, memory_only: bool = False
+    ) -> list[int]:
         self._stop_requested = True
         return []
 

@@ -195,6 +195,56 @@ def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start):
     assert isinstance(advance_until(coordinator, Finished), Finished)
 
 
+def test_a_rank_death_keeps_every_survivor_and_tears_the_failed_down_first(start):
+    """Four ranks, one dies: the three survivors are kept (none replaced) and trained on at
+    world size 3; the ranks whose loop failed leave their layout first (their closed
+    connections free a peer still blocked in a collective), and the resize names the kept
+    and the new actors."""
+    coordinator, _, group = start(("a", "b"))
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    before = [s.actor_index for s in group.slots]
+    group.kill_rank(1)
+    assert isinstance(coordinator.advance(), Restarting)
+    # The dead rank dropped, the three that failed (ranks 0, 1, 2 now) torn down first.
+    assert group.dropped == 1 and group.torn_down == [[0, 1, 2]]
+    assert isinstance(coordinator.advance(), Running)
+    (resize,) = events(coordinator, "resize")
+    assert resize["new_layout"]["dims"]["world_size"] == 3
+    assert resize["kept_actors"] == [before[0], *before[2:]] and resize["new_actors"] == []
+    # Detection ends at the poll that saw the failure; the teardown after it is the re-form's.
+    assert 0 <= resize["detection_s"] < 0.3
+    assert resize["reform_s"] >= resize["teardown_s"] > 0
+
+
+def test_a_node_lost_while_forming_is_re_planned_not_raised(start):
+    """A node dies while the group re-forms after a rank death (its actors die in set-up):
+    the formation is a failure like the others (recorded, the node left out, re-planned)
+    and the run forms on what is left and trains to the end."""
+    # A batch of 12 spreads evenly over all six ranks (the planner's pick for 8 is four).
+    coordinator, _, group = start(
+        ("a", "b", "c"), "elastic.grow_stable_s=1000", "trainer.global_batch=12"
+    )
+    advance_until(coordinator, Running)
+    assert group.formations[-1] == {"a": 2, "b": 2, "c": 2}
+    train_to(coordinator, 5)
+    group.kill_rank(1)
+    assert isinstance(coordinator.advance(), Restarting)
+    group.setup_loses_node = "c"  # Ray's health check has not caught up: still listed
+    state = coordinator.advance()  # the formation's set-up fails: re-planned at once
+    assert isinstance(state, Restarting) and state.decision.nodes == ("a", "b")
+    failures = events(coordinator, "failure")
+    assert [f.get("phase") for f in failures] == [None, "forming"]
+    assert failures[1]["lost_nodes"] == ["c"] and failures[1]["step"] == 5
+    assert coordinator.lost_nodes == {"c"}
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 1, "b": 2} and coordinator.step == 4
+    resize = events(coordinator, "resize")[-1]
+    assert resize["new_layout"]["dims"]["world_size"] == 3 and resize["new_actors"] == []
+    assert isinstance(advance_until(coordinator, Finished), Finished)
+    assert coordinator.step == 12
+
+
 @pytest.mark.parametrize("source", ["sigterm", "spot", "ray-drain"])
 def test_a_notice_checkpoints_at_the_next_boundary_then_shrinks(start, source):
     coordinator, cluster, group = start()

@@ -47,6 +47,13 @@ class Job:
     host_loss: bool = False
     # model.init_from: the initial weights' Hugging Face directory (each rank reads its slices).
     init_from: str | None = None
+    # After training, each rank takes its in-memory copy (`worker/peer_copies.py`'s staging and
+    # `checkpoint/memory_files.py`) and leaves its files in `<memory_copy_dir>/<rank>/`.
+    memory_copy_dir: str | None = None
+    # Load the in-memory copies of `load_copies_of` ranks left in this directory (as a rank
+    # reads them from the actors holding them) instead of `load_dir`.
+    load_copies_dir: str | None = None
+    load_copies_of: int = 0
 
 
 @dataclass
@@ -103,6 +110,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
             engine._micro_steps = lambda *args: micro_steps(*args).cpu()
         if job.load_dir:
             engine.load(job.load_dir)
+        if job.load_copies_dir:
+            engine.load("memory://harness", storage_reader=_copy_reader(job))
         dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
         dp_rank = dims.coords(rank).dp
         g = layout.global_batch
@@ -133,6 +142,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
         module = engine.model if hasattr(engine, "model") else engine.engine.module  # DeepSpeed
         param_device = next(module.parameters()).device.type
         params = engine.full_state_dict()
+        if job.memory_copy_dir:
+            _leave_memory_copy(engine, job.memory_copy_dir, rank)
         keys = None
         if job.checkpoint_dir:
             engine.save(job.checkpoint_dir)
@@ -144,6 +155,27 @@ def _run_job(rank: int, job: Job) -> JobResult:
         )
     finally:
         dist.destroy_process_group()
+
+
+def _leave_memory_copy(engine, directory: str, rank: int) -> None:
+    from raytrain_dt.checkpoint.memory_files import save_to_memory
+    from raytrain_dt.checkpoint.staging import ReusableStager
+
+    files = save_to_memory(engine.stage_copy(ReusableStager(background=True)).result(), rank)
+    os.makedirs(os.path.join(directory, str(rank)), exist_ok=True)
+    for name, data in files.items():
+        with open(os.path.join(directory, str(rank), name), "wb") as f:
+            f.write(data)
+
+
+def _copy_reader(job: Job):
+    from raytrain_dt.checkpoint.memory_files import CopyReader
+
+    def fetch(owner: int, name: str) -> bytes:
+        with open(os.path.join(job.load_copies_dir, str(owner), name), "rb") as f:
+            return f.read()
+
+    return CopyReader(list(range(job.load_copies_of)), fetch)
 
 
 def _tensors(tree) -> list:

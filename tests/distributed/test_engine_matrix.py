@@ -32,6 +32,7 @@ def _layout(zero: int = 3, **kw) -> Layout:
             "virtual_stages",
             "offload_optimizer",
             "defer_grad_sync",
+            "pp_layers",
         )
         if k in kw
     }
@@ -74,6 +75,10 @@ LAYOUTS = {
     "pp2-1f1b": _layout(pp=2, pp_schedule="1f1b"),
     "pp2-interleaved": _layout(pp=2, pp_schedule="interleaved", virtual_stages=2),
     "pp2xtp2": _layout(pp=2, tp=2),
+    # Uneven stages: 4 layers on 3 stages (balanced: 2, 1, 1; GPipe, as 1F1B needs a
+    # micro-batch per stage), and a pinned 3 + 1 split.
+    "pp3-uneven": _layout(pp=3, pp_schedule="gpipe"),
+    "pp2-pinned-3+1": _layout(pp=2, pp_layers=(3, 1)),
     "pp2xdp2": _layout(pp=2, dp_shard=2),
     # CPUOffloadPolicy: shards, gradients and the optimizer step live in host memory.
     "fsdp2-full+offload": _layout(zero=3, dp_shard=2, offload_optimizer=True),
@@ -161,8 +166,12 @@ def test_bf16_mixed_precision_tracks_the_fp32_reference(pool, cfg, reference):
 
 @pytest.mark.parametrize(
     ("saved", "loaded"),
-    [("fsdp2-full", "pp2-interleaved"), ("pp2-1f1b", "dp2xtp2")],
-    ids=["pp1-to-pp2", "pp2-to-pp1"],
+    [
+        ("fsdp2-full", "pp2-interleaved"),
+        ("pp2-1f1b", "dp2xtp2"),
+        ("pp2-pinned-3+1", "pp3-uneven"),
+    ],
+    ids=["pp1-to-pp2", "pp2-to-pp1", "pp2-3+1-to-pp3-uneven"],
 )
 def test_checkpoint_moves_between_pipeline_layouts(pool, cfg, reference, tmp_path, saved, loaded):
     """3 steps in one layout, a DCP checkpoint, the last 2 steps in another: still the reference.
@@ -223,13 +232,14 @@ def test_deepspeed_checkpoint_moves_across_pipeline_split(
 
 
 def test_stage_split_balances_embedding_and_head():
-    from raytrain_dt.parallel.pipeline_parallel import stage_indices, stage_layer_counts
+    from raytrain_dt.topology.pipeline_stages import stage_indices, stage_layer_counts
 
     assert stage_layer_counts(4, 2) == [2, 2]
     assert stage_layer_counts(4, 4) == [1, 1, 1, 1]
-    # The end stages carry the embedding and the head, so they get fewer blocks.
+    # The end stages carry the embedding and the head, so they get fewer blocks; stage costs
+    # (blocks + 1 at each end) stay within one block of each other.
     assert stage_layer_counts(8, 4) == [2, 3, 2, 1]
-    assert stage_layer_counts(32, 4) == [8, 9, 9, 6]
+    assert stage_layer_counts(32, 4) == [8, 9, 8, 7]
     assert stage_indices(1, 2, 2) == [1, 3]
 
 
@@ -242,6 +252,8 @@ def test_stage_split_balances_embedding_and_head():
             {"pp_schedule": "interleaved", "virtual_stages": 2, "grad_accum": 3},
             "trainer.grad_accum",
         ),
+        ({"grad_accum": 1}, "trainer.grad_accum"),
+        ({"pp_layers": (3, 2)}, "parallel.pp_layers"),
     ],
 )
 def test_invalid_pipeline_layouts_name_the_key(changes, key):
@@ -337,3 +349,77 @@ def test_deepspeed_padded_layout_equals_single_process(pool, cfg, reference):
     assert result.losses == pytest.approx(ref_losses, abs=1e-5)
     for key, value in ref_params.items():
         torch.testing.assert_close(result.params[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+# DeepSpeed pipelines on uneven splits: the pinned 3 + 1 split and 4 layers on 3 stages.
+DS_PINNED_3_1 = _layout(zero=1, pp=2, pp_layers=(3, 1))
+DS_EVEN_2_2 = _layout(zero=1, pp=2, pp_schedule="1f1b")
+DS_PP3_UNEVEN = _layout(zero=1, pp=3, pp_schedule="gpipe")
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [(DS_PINNED_3_1, DS_EVEN_2_2), (DS_PINNED_3_1, DS_PP3_UNEVEN), (DS_PP3_UNEVEN, DS_PINNED_3_1)],
+    ids=["pp2-3+1-to-pp2-2+2", "pp2-3+1-to-pp3-2+1+1", "pp3-2+1+1-to-pp2-3+1"],
+)
+def test_deepspeed_checkpoint_moves_across_uneven_splits(
+    pool, cfg, reference, tmp_path, saved, loaded
+):
+    """DeepSpeed's own checkpoint of one uneven split, resumed on another (the same number of
+    stages and DP size included, where DeepSpeed's stage files no longer match the stages):
+    3 steps, then the last 2, equal to the reference."""
+    ref_losses, ref_params = reference
+    deepspeed = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name="deepspeed"))
+    first = pool.run(deepspeed, saved, 3, checkpoint_dir=str(tmp_path))
+    second = pool.run(deepspeed, loaded, 2, load_dir=str(tmp_path), start_step=3)
+    assert first.losses + second.losses == pytest.approx(ref_losses, abs=1e-5)
+    for key, value in ref_params.items():
+        torch.testing.assert_close(second.params[key], value, atol=1e-5, rtol=0, msg=key)
+
+
+@pytest.mark.parametrize(
+    ("saved_engine", "saved", "loaded"),
+    [
+        ("deepspeed", DS_PINNED_3_1, _layout(pp=3, pp_schedule="gpipe")),
+        ("fsdp2", _layout(pp=3, pp_schedule="gpipe"), DS_PINNED_3_1),
+    ],
+    ids=["ds-pp2-3+1-to-fsdp2-pp3-2+1+1", "fsdp2-pp3-2+1+1-to-ds-pp2-3+1"],
+)
+def test_conversion_between_engines_on_uneven_splits(
+    pool, cfg, reference, tmp_path, saved_engine, saved, loaded
+):
+    """`raytrain-dt ckpt convert`'s read and write between an uneven DeepSpeed pipeline and an
+    uneven FSDP2 one (in this process, as the tool runs): 3 steps in one, the converted
+    checkpoint, the last 2 in the other, equal to the reference."""
+    from raytrain_dt.control.run_setup import model_shape
+    from raytrain_dt.tools.checkpoint_convert import (
+        one_rank_layout,
+        read_deepspeed,
+        read_fsdp2,
+        single_process_group,
+        write_deepspeed,
+        write_fsdp2,
+    )
+
+    ref_losses, ref_params = reference
+    engines = {
+        name: dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name=name))
+        for name in ("fsdp2", "deepspeed")
+    }
+    loaded_engine = "fsdp2" if saved_engine == "deepspeed" else "deepspeed"
+    first = pool.run(engines[saved_engine], saved, 3, checkpoint_dir=str(tmp_path / "a"))
+    shape, one_rank = model_shape(cfg), one_rank_layout(saved.as_dict(), 1)
+    # The converted checkpoint is a plain 1-rank one, whatever split wrote it.
+    assert (one_rank.dims.pp, one_rank.pp_layers, one_rank.virtual_stages) == (1, (), 1)
+    with single_process_group():
+        if saved_engine == "deepspeed":
+            state, step = read_deepspeed(str(tmp_path / "a"), shape, cfg, one_rank)
+            write_fsdp2(str(tmp_path / "b"), state, step, shape, cfg)
+        else:
+            state, step = read_fsdp2(str(tmp_path / "a"))
+            write_deepspeed(str(tmp_path / "b"), state, step, shape, cfg, one_rank)
+    assert state.keys() == ref_params.keys() and step == 3
+    second = pool.run(engines[loaded_engine], loaded, 2, load_dir=str(tmp_path / "b"), start_step=3)
+    assert first.losses + second.losses == pytest.approx(ref_losses, abs=1e-5)
+    for key, value in ref_params.items():
+        torch.testing.assert_close(second.params[key], value, atol=1e-5, rtol=0, msg=key)

@@ -79,22 +79,29 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
         (r["old_layout"]["dims"]["world_size"], r["new_layout"]["dims"]["world_size"])
         for r in resizes
     ]
-    # The rank death re-forms at once on (some of) the three survivors, as planned for them,
-    # and grows back to 4 as the replacements start: at once, or through 3 ranks (an uneven
-    # batch) when one is warm before the other.
-    regrown = next(i for i, (_, new) in enumerate(sizes) if new == 4)
-    path = [new for _, new in sizes[: regrown + 1]]  # e.g. [2, 4] or [2, 3, 4]
-    assert path[0] < 4 and path == sorted(set(path)), sizes
+    # The rank death re-forms at once on all three survivors (dp=3, an uneven batch) and
+    # grows back to 4 once the replacement has started; the node loss keeps both survivors
+    # of the other node, the arrival grows back to 4 in one resize, the preemption takes it
+    # to 2.
+    assert sizes == [(4, 3), (3, 4), (4, 2), (2, 4), (4, 2)], sizes
+    regrown, lost = 1, 2
+    (start,) = [e for e in events if e["event"] == "start"]
+    first = start["new_actors"]  # in rank order
+    assert [(r["kept_actors"], r["new_actors"]) for r in resizes[:2]] == [
+        ([first[0], *first[2:]], []),
+        ([first[0], *first[2:]], resizes[1]["new_actors"]),
+    ]
+    assert len(resizes[1]["new_actors"]) == 1
     failures = [e for e in events if e["event"] == "failure"]
     assert [f["health"] for f in failures] == ["failed", "failed"]
-    # The node loss leaves two survivors, or one: a survivor stuck in a collective with a
-    # lost peer is replaced, not reused. The arrival (and that replacement) grow it back to
-    # 4, at once or in steps; the preemption takes it to 2.
-    lost = next(i for i, r in enumerate(resizes) if r["time"] > failures[1]["time"])
-    assert sizes[lost][0] == 4 and sizes[lost][1] in (1, 2), sizes
-    assert sizes[-1] == (4, 2), sizes
-    arrival = [new for _, new in sizes[lost + 1 : -1]]
-    assert arrival and arrival[-1] == 4 and arrival == sorted(set(arrival)), sizes
+    assert resizes[lost]["time"] > failures[1]["time"] > resizes[regrown]["time"]
+    # The node loss keeps exactly the ranks of the full layout that were not on the lost node.
+    full = resizes[regrown]
+    dead = {full["node_ids"][int(r)] for r, e in failures[1]["ranks"].items() if "Died" in e}
+    assert len(dead) == 1 and resizes[lost]["new_actors"] == []
+    assert resizes[lost]["pids"] == [
+        pid for pid, node in zip(full["pids"], full["node_ids"]) if node not in dead
+    ]
     # Growth and preemption checkpoint just in time and lose no step.
     assert [r["lost_steps"] for i, r in enumerate(resizes) if i not in (0, lost)] == [0] * (
         len(resizes) - 2
@@ -135,6 +142,80 @@ def test_four_faults_match_an_uninterrupted_run(restore_nodes, make_config):
         assert {"detection_s", "replan_s", "reform_s", "checkpoint_load_s"} <= set(resize)
     assert result.layout.global_batch == cfg.trainer.global_batch
     check_report(cfg, result.run_dir)  # plots, goodput and summary against these records
+
+
+@pytest.mark.timeout(600)
+def test_a_node_lost_while_re_forming_after_a_rank_death(restore_nodes, make_config):
+    """Rank 1 of 4 dies; while the three survivors re-form (placed, not yet set up) the node
+    holding two of them dies too. The formation's fault is a failure like the first: it is
+    recorded, the node left out, and the run re-forms on the one survivor left, keeping it,
+    and trains exactly what an uninterrupted run would."""
+    steps = 12
+    cfg = make_config(
+        f"trainer.steps={steps}",
+        "checkpoint.every_steps=5",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.3",
+        "chaos=[{at_step: 6, action: kill_rank, target: 1},"
+        " {at_step: 6, action: kill_node, target: 2, at: forming}]",
+    )
+    result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
+    assert result.final_step == steps
+    check_run_matches_reference(cfg, result, steps, atol=1e-5)
+    events = read_jsonl(f"{result.run_dir}/events.jsonl")
+    (start,) = [e for e in events if e["event"] == "start"]
+    first = start["new_actors"]  # in rank order: ranks 0, 1 on one node, 2, 3 on the other
+    assert len(first) == 4 and start["kept_actors"] == []
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(f["health"], f.get("phase"), f["step"]) for f in failures] == [
+        ("failed", None, 5),
+        ("failed", "forming", 5),
+    ]
+    assert failures[1]["lost_nodes"] == [start["node_ids"][2]]
+    resizes = _resizes(result)
+    # The one survivor of the node loss is kept and trains alone from step 5's checkpoint.
+    assert resizes[0]["kept_actors"] == [first[0]] and resizes[0]["new_actors"] == []
+    assert resizes[0]["new_layout"]["dims"]["world_size"] == 1
+    assert (resizes[0]["resumed_step"], resizes[0]["lost_steps"]) == (5, 0)
+    assert resizes[0]["node_ids"] == [start["node_ids"][0]]
+
+
+@pytest.mark.timeout(600)
+def test_a_peer_dying_while_the_survivors_join_keeps_every_survivor(restore_nodes, make_config):
+    """Rank 1 of 4 dies; in the re-formation on the three survivors, rank 2 of the new layout
+    dies as it begins joining, while the other two wait in the join for it. Their polls and
+    teardown are answered during that set-up and end its wait (`worker/rendezvous.py`), so
+    both are kept: the run re-forms on exactly those two actors, with no new one, and trains
+    what an uninterrupted run would."""
+    steps = 10
+    cfg = make_config(
+        f"trainer.steps={steps}",
+        "checkpoint.every_steps=5",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.3",
+        "chaos=[{at_step: 6, action: kill_rank, target: 1},"
+        " {at_step: 6, action: kill_rank, target: 2, at: forming}]",
+    )
+    result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
+    assert result.final_step == steps
+    check_run_matches_reference(cfg, result, steps, atol=1e-5)
+    events = read_jsonl(f"{result.run_dir}/events.jsonl")
+    (start,) = [e for e in events if e["event"] == "start"]
+    first = start["new_actors"]
+    failures = [e for e in events if e["event"] == "failure"]
+    assert [(f["health"], f.get("phase"), f["step"]) for f in failures] == [
+        ("failed", None, 5),
+        ("failed", "forming", 5),
+    ]
+    assert list(failures[1]["ranks"]) == ["2"]  # only the rank that died joining
+    survivors = {first[0], first[2], first[3]}
+    resize = _resizes(result)[0]
+    assert len(resize["kept_actors"]) == 2 and set(resize["kept_actors"]) < survivors
+    assert resize["new_actors"] == []
+    assert resize["new_layout"]["dims"]["world_size"] == 2
+    assert (resize["resumed_step"], resize["lost_steps"]) == (5, 0)
 
 
 class SpotNoticeServer(http.server.ThreadingHTTPServer):

@@ -47,6 +47,10 @@ def s3_endpoint():
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # An S3 filesystem an earlier test of this process made (tests/unit/test_doctor_checks.py
+    # checks an s3:// dir) is cached by fsspec with a client bound to real AWS: reused here, every
+    # listing fails, which fsspec's `exists` reports as absent, so no commit would find its files.
+    _forget_s3_filesystems()
     try:
         import boto3
 
@@ -63,7 +67,8 @@ def s3_endpoint():
 
 
 def _forget_s3_filesystems() -> None:
-    """fsspec caches filesystem instances: later tests must not reuse one bound to the fake."""
+    """fsspec caches filesystem instances (with their S3 client and its endpoint): none made
+    before the fake existed may be used with it, nor one bound to the fake after it."""
     import fsspec
 
     fsspec.get_filesystem_class("s3").clear_instance_cache()

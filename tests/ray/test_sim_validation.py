@@ -8,6 +8,8 @@ The test changes the shared cluster's nodes and puts it back as it found it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
@@ -42,21 +44,7 @@ def _real_run(make_config, cluster, run_dir):
 
 
 def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_path):
-    for attempt in range(2):
-        cfg, nodes, result, events = _real_run(
-            make_config, restore_nodes, tmp_path / f"run{attempt}"
-        )
-        worlds = [
-            e["new_layout"]["dims"]["world_size"]
-            for e in events
-            if e["event"] in ("start", "resize")
-        ]
-        # A survivor still blocked in a collective with a failed (but living) peer when the
-        # teardown's grace ends is replaced, not reused. The node loss then leaves one rank,
-        # an outcome of the moment the node died that the simulator does not model (see
-        # tests/ray/test_elastic.py); such a run is run once more.
-        if worlds[1] != 1:
-            break
+    cfg, nodes, result, events = _real_run(make_config, restore_nodes, tmp_path / "run")
     memory = min(n.memory_bytes for n in nodes)
     real_layouts = [e["new_layout"] for e in events if e["event"] in ("start", "resize")]
     costs = costs_from_run(result.run_dir, add_step=ADD_STEP)
@@ -94,6 +82,71 @@ def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_pa
     }
     # Within 25% of the measured timeline: the end within 25% of its own length, and each
     # formation within 25% of the whole timeline (single steps still vary 0.1-5 s here).
+    span = measured["end"]
+    assert simulated["end"] == pytest.approx(span, rel=0.25), (simulated, measured, costs)
+    for sim_s, real_s in zip(simulated["formed"], measured["formed"], strict=True):
+        assert abs(sim_s - real_s) <= 0.25 * span, (simulated, measured, costs)
+
+
+PREEMPT_STEP = 6
+
+
+@pytest.mark.timeout(900)
+def test_simulator_replays_a_real_preemption_with_notice(restore_nodes, make_config, tmp_path):
+    """The notice path: a node preempted with notice drains at the next step boundary (a JIT
+    save) and the group shrinks onto the other node, losing no step, in the real run and in
+    the simulator replaying it (the notice at the step it reached the real run): the same
+    layouts in the same order, no step lost, one drain, and a timeline from the notice on
+    within 25% once fed the run's own measured costs."""
+    cfg = make_config(
+        "trainer.steps=14",
+        "checkpoint.every_steps=3",
+        "cluster.num_ranks=null",
+        "engine.zero_stage=3",
+        "chaos_step_delay_s=0.3",
+        "elastic.hang_timeout_s=300",  # a slow start on a busy machine is no hang
+        f"chaos=[{{at_step: {PREEMPT_STEP}, action: preempt_node, target: 3}}]",
+        run_dir=tmp_path / "run",
+    )
+    nodes = alive_nodes(SIMULATED_ACCELERATOR)
+    result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
+    assert result.final_step == cfg.trainer.steps
+    events = read_jsonl(f"{result.run_dir}/events.jsonl")
+    real_layouts = [e["new_layout"] for e in events if e["event"] in ("start", "resize")]
+    (notice,) = [e for e in events if e["event"] == "preemption_notice"]
+    (resize,) = [e for e in events if e["event"] == "resize"]
+    assert resize["lost_steps"] == 0
+    assert not [e for e in events if e["event"] in ("failure", "rewind")]
+
+    costs = costs_from_run(result.run_dir)
+    memory = min(n.memory_bytes for n in nodes)
+    planner = SimPlanner(cfg, resource=SIMULATED_ACCELERATOR, node_memory_bytes=memory)
+    setup = Setup(planner, costs, cfg.cluster.accelerators_per_node, len(nodes), cfg.elastic)
+    # The notice at the step it reached the run (chaos waits for a settled layout).
+    chaos = [dataclasses.replace(cfg.chaos[0], at_step=notice["step"])]
+    sim = setup.run(
+        "ours",
+        StepTrace.from_chaos(len(nodes), chaos),
+        cfg.checkpoint.every_steps,
+        total_steps=cfg.trainer.steps,
+    )
+    assert [f["layout"] for f in sim.formations] == real_layouts
+    assert [f["world"] for f in sim.formations] == [4, 2]
+    assert (sim.steps_lost, sim.drains, sim.failures, sim.steps) == (0, 1, 0, cfg.trainer.steps)
+
+    # From the notice on: when the shrunk group formed, and the end.
+    origin = next(e["time"] for e in events if e["event"] == "first_step")
+    measured = measured_timeline(result.run_dir)
+    real_notice = notice["time"] - origin
+    measured = {
+        "formed": [t - real_notice for t in measured["formed"]],
+        "end": measured["end"] - real_notice,
+    }
+    (sim_notice,) = sim.notice_times
+    simulated = {
+        "formed": [f["t"] - sim_notice for f in sim.formations[1:]],
+        "end": sim.wall_s - sim_notice,
+    }
     span = measured["end"]
     assert simulated["end"] == pytest.approx(span, rel=0.25), (simulated, measured, costs)
     for sim_s, real_s in zip(simulated["formed"], measured["formed"], strict=True):

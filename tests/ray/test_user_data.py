@@ -102,10 +102,11 @@ def test_jsonl_samples_are_seen_exactly_once_across_a_lost_node(
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
     (resize,) = [e for e in events if e["event"] == "resize"]
-    # The run shrinks onto the survivors: both of the other node's ranks, or one of them when
-    # the other is still stuck in a collective with the dead node and is replaced instead.
+    # The run shrinks onto both of the other node's ranks, kept (none replaced).
+    (start,) = [e for e in events if e["event"] == "start"]
     assert resize["old_layout"]["dims"]["world_size"] == 4
-    assert resize["new_layout"]["dims"]["world_size"] in (1, 2)
+    assert resize["new_layout"]["dims"]["world_size"] == 2
+    assert resize["kept_actors"] == start["new_actors"][:2] and resize["new_actors"] == []
 
     (meta,) = Path(result.run_dir, "data_cache").glob("*/_dataset.json")
     packed = TokenDataset.open(meta.parent, cfg.data.seq_len)

@@ -127,3 +127,43 @@ def test_every_group_a_rank_creates_gets_the_collective_timeout(tmp_path, monkey
     finally:
         dist.destroy_process_group()
     assert seen == [timeout] * 2 and timeout.total_seconds() == 77
+
+
+def test_the_world_group_joins_within_the_formations_time_then_takes_the_collectives(
+    tmp_path, monkeypatch
+):
+    """A peer lost before it joins holds the others only for the formation's time left; once
+    joined, the world group's collectives (and later groups') have `comm.timeout_s`."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    from raytrain_dt.worker.collective_timeout import (
+        join_timeout,
+        restore_world_timeout,
+        set_collective_timeout,
+    )
+
+    for name in ("default_pg_timeout", "default_pg_nccl_timeout"):
+        monkeypatch.setattr(c10d, name, getattr(c10d, name))
+    collective = set_collective_timeout(600)
+    assert join_timeout(collective, 42.5) == datetime.timedelta(seconds=42.5)
+    assert join_timeout(collective, 900) == join_timeout(collective, None) == collective
+    dist.init_process_group(
+        "gloo",
+        init_method=f"file://{tmp_path / 'store'}",
+        rank=0,
+        world_size=1,
+        timeout=join_timeout(collective, 42.5),
+    )
+    try:
+        world = c10d._get_default_group()
+        joined = world._get_backend(torch.device("cpu")).options._timeout
+        restore_world_timeout(collective)
+        after = world._get_backend(torch.device("cpu")).options._timeout
+        later = dist.new_group(backend="gloo")._get_backend(torch.device("cpu")).options._timeout
+    finally:
+        dist.destroy_process_group()
+    assert (joined.total_seconds(), after, later) == (42.5, collective, collective)

@@ -32,6 +32,7 @@ def test_recipe_and_overrides_merge():
             "parallel.pp_schedule: 'zb' is not one of gpipe, 1f1b, interleaved",
         ),
         ("trainer.min_lr_ratio=2", "trainer.min_lr_ratio: must be in [0, 1], got 2.0"),
+        ("trainer.batch_tolerance=1", "trainer.batch_tolerance: must be in [0, 1), got 1.0"),
         ("trainer.warmup_steps=99", "trainer.warmup_steps: 99 exceeds trainer.steps=30"),
         ("data.seq_len=1", "data.seq_len: must be >= 2, got 1"),
         ("trainerx", "trainerx: override must look like key=value"),
@@ -69,3 +70,35 @@ def test_kill_rank_mid_save_is_refused_for_an_engine_whose_saves_cannot_be_inter
     with pytest.raises(ConfigError, match=r"chaos\[0\]\.action: kill_rank_mid_save needs engine"):
         load_config(None, ["engine.name=deepspeed", chaos])
     load_config(None, ["engine.name=fsdp2", chaos])
+
+
+def test_chaos_at_is_step_or_forming_and_forming_fires_only_kills():
+    with pytest.raises(ConfigError, match=r"^chaos\[1\]\.at: 'setup' is not one of step, forming$"):
+        load_config(None, ["chaos=[{at_step: 2}, {at_step: 3, action: kill_node, at: setup}]"])
+    with pytest.raises(
+        ConfigError, match=r"^chaos\[0\]\.at: forming fires only kill_node or kill_rank, not hang"
+    ):
+        load_config(None, ["chaos=[{at_step: 2, action: hang_rank, at: forming}]"])
+    for action in ("kill_node", "kill_rank"):
+        cfg = load_config(None, [f"chaos=[{{at_step: 2, action: {action}, at: forming}}]"])
+        assert cfg.chaos[0].at == "forming"
+
+
+def test_a_rank_fault_of_a_formation_is_carried_once_and_only_once_due():
+    """A `kill_rank` `at: forming` reaches the ranks only in the first formation once the run
+    has begun its step (not before, not again), and a failure at that step does not spend it."""
+    from raytrain_dt.control.node_chaos import Chaos
+
+    cfg = load_config(
+        None,
+        [
+            "chaos=[{at_step: 6, action: kill_rank, target: 1},"
+            " {at_step: 6, action: kill_rank, target: 2, at: forming},"
+            " {at_step: 9, action: kill_node, target: 0, at: forming}]"
+        ],
+    )
+    chaos = Chaos(cfg.chaos, simulated=None)
+    assert chaos.for_formation(0) == [cfg.chaos[0], cfg.chaos[2]]  # the first formation
+    chaos.mark_rank_faults_fired(6)  # rank 1 died at step 6
+    assert chaos.for_formation(6) == [cfg.chaos[1], cfg.chaos[2]]
+    assert chaos.for_formation(6) == [cfg.chaos[2]]  # spent with the formation it was due in

@@ -175,3 +175,23 @@ def test_the_run_plans_with_the_configured_or_the_smallest_nodes_memory() -> Non
     cfg.cluster.host_memory_gb = -1.0
     with pytest.raises(ConfigError, match="^cluster.host_memory_gb: "):
         validate(cfg)
+
+
+def test_in_memory_copies_are_planned_and_refused_with_one_line() -> None:
+    layout = _layout()
+    shard = rank_checkpoint_bytes(SEVEN_B, layout)
+    copies = host_bytes_per_rank(SEVEN_B, layout, memory_copies=True)
+    # A staging buffer, then its own copy and its peer's for the newest two steps.
+    assert copies.memory_copies == pytest.approx(5 * shard)
+    assert copies.total == pytest.approx(host_bytes_per_rank(SEVEN_B, layout).total + 5 * shard)
+    assert (
+        host_bytes_per_rank(SEVEN_B, layout, engine="deepspeed", memory_copies=True).memory_copies
+        == 0
+    )
+    # 7B's state is 84 GB per node: with the copies (x6 with staging) not in 400 GB of host.
+    assert _plan(400).best.host_per_node <= 400 * GB
+    with pytest.raises(PlanningError) as err:
+        _plan(400, memory_copies=True)
+    msg = str(err.value)
+    assert "\n" not in msg and "in-memory copies (checkpoint.memory_every_steps)" in msg
+    assert _plan(600, memory_copies=True).best.host_per_node <= 600 * GB

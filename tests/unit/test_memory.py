@@ -17,6 +17,7 @@ from raytrain_dt.topology.memory import (
     working_state_bytes,
 )
 from raytrain_dt.topology.parallel_dims import ParallelDims
+from raytrain_dt.topology.pipeline_stages import split_of
 
 L7 = PRESETS["llama-7b"]
 P7 = 6_738_415_616  # 2*32000*4096 + 32*202_383_360 + 4096
@@ -125,13 +126,19 @@ def test_activation_checkpointing_keeps_layer_inputs_plus_one_layer() -> None:
     assert fp32 == 2 * (full - logits) + logits
 
 
-def test_1f1b_first_stage_holds_pp_micro_batches() -> None:
-    one = 8 * 34 * 4096 * 4096  # 8 layers per stage at pp=4
+def test_1f1b_stage_i_holds_pp_minus_i_micro_batches() -> None:
+    block = 34 * 4096 * 4096
     kw = {"seq_len": 4096, "micro_batch": 1, "pp": 4}
-    assert activation_bytes(L7, grad_accum=8, **kw) == 4 * one
-    assert activation_bytes(L7, grad_accum=2, **kw) == 2 * one
-    # With fewer micro-batches than stages the last stage (one micro-batch + logits) may win.
-    assert activation_bytes(L7, grad_accum=1, **kw) == one + 4096 * 32000 * 4
+    assert split_of(L7, 4) == [8, 9, 8, 7]
+    # Rank 0: 8 blocks x 4 in flight; rank 1: 9 x 3.
+    assert activation_bytes(L7, grad_accum=8, **kw) == 8 * 4 * block
+    # Two micro-batches in flight at most: rank 1's 9 blocks x 2 outweigh rank 0's 8 x 2.
+    assert activation_bytes(L7, grad_accum=2, **kw) == 9 * 2 * block
+    # One micro-batch: on an even split the last stage (its blocks + the logits) wins.
+    even = activation_bytes(L7, grad_accum=1, pp_layers=(8, 8, 8, 8), **kw)
+    assert even == 8 * block + 4096 * 32000 * 4
+    gpipe = activation_bytes(L7, grad_accum=8, pp_layers=(8, 8, 8, 8), pp_schedule="gpipe", **kw)
+    assert gpipe == 8 * 8 * block + 8 * 4096 * 32000 * 4
 
 
 def test_estimate_adds_gather_buffers_and_margin() -> None:

@@ -202,3 +202,31 @@ def test_peak_flops_lookup():
     assert peak_flops_per_accelerator("NVIDIA H100 80GB HBM3", None) == 989e12
     assert peak_flops_per_accelerator("NVIDIA A100-SXM4-80GB", None) == 312e12
     assert peak_flops_per_accelerator("NVIDIA A100-SXM4-80GB", 100.0) == 100e12
+
+
+def test_real_global_batch_reaches_metrics_and_its_plot(tmp_path):
+    """Each step line holds the batch the step trained; the report plots it per step."""
+    import matplotlib.image
+
+    rec = RunRecorder(tmp_path, 0)
+    rec.event("start", new_layout=LAYOUT, resumed_step=0, lost_steps=0)
+    for step, batch in ((1, 8), (2, 8), (3, 6), (4, 6)):
+        for rank in (0, 1):
+            rec.rank_step(rank, {"step": step, "mem_allocated_bytes": 5, "mem_peak_bytes": 6})
+        rec.step_metrics(
+            {
+                "step": step,
+                "loss": 4.0,
+                "tokens_per_s": 1.0,
+                "step_time_s": 1.0,
+                "global_batch": batch,
+            },
+            2,
+            "dp=2",
+        )
+    rec.close()
+    assert [m["global_batch"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [8, 8, 6, 6]
+    report = render_report(tmp_path)
+    image = matplotlib.image.imread(report.plots["global_batch"])
+    assert image.shape[0] > 100 and image.shape[1] > 100
+    assert 'src="report/global_batch.png"' in report.html.read_text()

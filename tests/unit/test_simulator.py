@@ -3,12 +3,14 @@ and the three policies ranked on a trace with notices (no Ray, no torch.distribu
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 
 from raytrain_dt.cli import main
+from raytrain_dt.control.policies import Observation
 from raytrain_dt.sim.costs import Costs
 from raytrain_dt.sim.runner import Setup, scale_config
 from raytrain_dt.sim.sim_planner import SimPlanner
@@ -78,8 +80,9 @@ def test_trace_files_round_trip_and_bad_rows_name_the_event(tmp_path):
         load_trace(csv_path, nodes=4, duration_s=100)
 
 
-def _hand_setup(**cost_changes) -> Setup:
-    """A 1B model on 2 nodes x 8 GPUs, measured step times 1 s (16 GPUs) and 2 s (8 GPUs).
+def _hand_setup(memory_every: int = 0, **cost_changes) -> Setup:
+    """A 1B model on 2 nodes x 8 GPUs, measured step times 1 s (16 GPUs) and 2 s (8 GPUs);
+    without in-memory copies unless `memory_every` (the timelines below are the durable path's).
 
     Big enough for compute to outweigh collective latency, so the planner's fastest layout uses
     every GPU it has (on a tiny model one GPU would be fastest)."""
@@ -96,7 +99,7 @@ def _hand_setup(**cost_changes) -> Setup:
         step_s_by_world={16: 1.0, 8: 2.0},
         **cost_changes,
     )
-    return Setup(SimPlanner(cfg), costs, 8, 2, cfg.elastic)
+    return Setup(SimPlanner(cfg), costs, 8, 2, cfg.elastic, memory_every)
 
 
 def _one_event_trace(*events: tuple[float, int, int]) -> Trace:
@@ -160,6 +163,107 @@ def test_policies_rank_ours_over_dp_only_over_restart_on_a_trace_with_notices():
     assert rows["restart"]["steps_lost"] > 0
 
 
+def _three_node_setup(memory_every: int = 0) -> Setup:
+    """The hand setup on 3 nodes, the policy planning for at most 2 (`elastic.max_nodes`):
+    n00002 is left out of the first layout."""
+    hand = _hand_setup(memory_restore_s=2)
+    elastic = dataclasses.replace(hand.elastic, max_nodes=2)
+    return Setup(hand.planner, hand.costs, 8, 3, elastic, memory_every)
+
+
+def _trace(nodes: int, *events: tuple[float, int, int]) -> Trace:
+    t, kind, node = zip(*events, strict=True)
+    return Trace(nodes, 1000.0, np.array(t, float), np.array(kind), np.array(node))
+
+
+def test_long_warm_actors_cost_nothing_and_never_cancel_the_reform():
+    """Node 1 dies at 100.5 (recovery as in the lost-node timeline: step 30 from t=135.5 at
+    2 s/step) and is back at 300; its actors start at once (up at 330) and growth waits for a
+    stable node set (300 s): at 600 step 262 is done, step 263 ends at 601.5 and is saved (0 s).
+    The re-form costs re-form 20 + load 5, and the actors warm since 330 cost nothing (not
+    minus 271.5 s): formed at 626.5, then 1 s steps: floor(373.5) = 373 more."""
+    setup = _hand_setup()
+    trace = _one_event_trace((100.5, DOWN, 1), (300.0, UP, 1))
+    result = setup.run("ours", trace, ckpt_every=30)
+    assert [(f["world"], f["t"]) for f in result.formations] == [
+        (16, 55.0),
+        (8, 135.5),
+        (16, pytest.approx(626.5)),
+    ]
+    assert result.steps == 263 + 373 and result.steps_lost == 15
+
+
+def test_idle_actors_are_kept_and_a_later_layout_pays_no_actor_start():
+    """n00002 is left out of the first layout; as the coordinator does, its actors start once
+    the group has formed (idle from 85). n00000 dies at 100.5: detected at 110.5, re-formed on
+    n00001 and n00002 with re-form 20 + load 5 and no actor start -> 135.5, from step 30 at
+    16 GPUs (1 s): 864 more steps."""
+    setup = _three_node_setup()
+    result = setup.run("ours", _trace(3, (100.5, DOWN, 0)), ckpt_every=30)
+    assert [f["world"] for f in result.formations] == [16, 16]
+    assert result.formations[1]["t"] == pytest.approx(135.5)
+    assert result.steps == 30 + 864 and result.steps_lost == 15
+
+
+def test_in_memory_copies_lose_only_the_step_in_flight_unless_every_holder_is_lost():
+    """With a copy every step on its node and the next node of the layout: n00001 lost at
+    100.5 leaves n00000 holding both shards, so the re-form restores step 45 from memory
+    (2 s instead of the 5 s load) and loses only the half step in flight. Losing n00000 and
+    n00001 together loses both holders of n00000's shard: back to the step-30 checkpoint, on
+    n00002 alone (8 GPUs, 2 s steps) from 135.5."""
+    setup = _three_node_setup(memory_every=1)
+    kept = setup.run("ours", _trace(3, (100.5, DOWN, 1)), ckpt_every=30)
+    # Detected at 110.5, re-formed on n00000 and n00002 (warm since 85): 20 + 2 -> 132.5.
+    assert kept.formations[1]["t"] == pytest.approx(132.5) and kept.formations[1]["step"] == 45
+    assert kept.steps == 45 + 867 and kept.steps_lost == 0 and kept.memory_restores == 1
+    assert kept.lost_compute_s == pytest.approx(0.5)
+    both = setup.run("ours", _trace(3, (100.5, DOWN, 0), (100.5, DOWN, 1)), ckpt_every=30)
+    assert both.formations[1]["t"] == pytest.approx(135.5) and both.formations[1]["step"] == 30
+    assert both.steps == 30 + 432 and both.steps_lost == 15 and both.memory_restores == 0
+
+
+def test_a_node_lost_while_the_group_forms_costs_a_reformation():
+    """n00000 dies at 100.5; while the group re-forms on n00001 and n00002 (110.5 to 135.5),
+    n00002 dies at 120: a second failure, detected at 130, re-planned onto n00001 alone and
+    formed at 155, still from the step-30 checkpoint, at 2 s/step: 422 more steps."""
+    setup = _three_node_setup()
+    trace = _trace(3, (100.5, DOWN, 0), (120.0, DOWN, 2))
+    result = setup.run("ours", trace, ckpt_every=30)
+    assert result.failures == 2 and result.failed is None
+    assert [(f["world"], f["step"]) for f in result.formations] == [(16, 0), (8, 30)]
+    assert result.formations[1]["t"] == pytest.approx(155.0)
+    assert result.steps == 30 + 422 and result.steps_lost == 15
+
+
+def test_dp_only_never_trains_more_than_the_configured_batch():
+    """The hand setup's full layout is 2 nodes of one replica each (batch 16, one sample per
+    GPU). A third node would be a third replica, and 24 samples per step: DP-only is capped
+    at the configured batch, so it stays at 2 replicas."""
+    setup = _hand_setup()
+    dp_only = setup.strategy("dp_only")
+    nodes = tuple(setup.planner.node(f"n{i:05d}", 8) for i in range(3))
+    obs = Observation(
+        now=0.0,
+        nodes=nodes,
+        draining=frozenset(),
+        layout=None,
+        layout_nodes=(),
+        health="ok",
+        step=0,
+        restarts=0,
+        failures_at_step=0,
+        waiting_since=None,
+        nodes_stable_since=0.0,
+    )
+    decision = dp_only.decide(obs)
+    assert dp_only.samples_per_step(decision.layout) == 16
+    assert decision.nodes == ("n00000", "n00001")
+    assert (dp_only.batch_label, setup.strategy("restart").batch_label) == (
+        "elastic-batch",
+        "fixed-batch",
+    )
+
+
 def test_simulate_cli_writes_json_plots_and_report(tmp_path, capsys):
     out = tmp_path / "sim"
     code = main(
@@ -173,6 +277,8 @@ def test_simulate_cli_writes_json_plots_and_report(tmp_path, capsys):
             "llama-70b",
             "--global-batch",
             "1680",
+            "--batch-tolerance",
+            "0.01",
             "--preemptions-per-node-day",
             "1",
             "--sweep",
@@ -188,5 +294,9 @@ def test_simulate_cli_writes_json_plots_and_report(tmp_path, capsys):
     assert all(
         (out / name).stat().st_size > 0 for name in ("timeline.png", "sweep.png", "report.md")
     )
-    assert "| ours |" in capsys.readouterr().out
+    assert record["batch_tolerance"] == 0.01 and record["memory_every"] == 1
+    out_text = capsys.readouterr().out
+    assert "| ours | elastic-batch |" in out_text and "| restart | fixed-batch |" in out_text
     assert main(["simulate", "--out", str(out), "--cost", "bogus=1"]) == 2
+    assert main(["simulate", "--out", str(out), "--batch-tolerance", "1"]) == 2
+    assert "--batch-tolerance: must be in [0, 1)" in capsys.readouterr().err

@@ -1,0 +1,223 @@
+"""In-memory copies of a rank's state, on its own actor and on a peer's (issue 19, item 3).
+
+Every `checkpoint.memory_every_steps` steps, after the optimizer step, the rank copies its
+shards into host buffers (the engine's `stage_copy`: a copy on a staging thread that the next
+optimizer step waits for, as for an async save) and takes its RNG state. A background thread
+then serialises the copy as a DCP checkpoint in memory (`checkpoint/memory_files.py`, no
+collective), keeps it in this actor's `CopyStore`, sends it to its peer's actor (on another
+node where there is one) and reports a `MemoryCopyReport`: which actors hold which files. The
+driver never sees a byte. A copy still in flight at the next boundary makes that step's copy
+skipped on every rank (they agree in the step's existing all-reduce, `RankCheckpointer.
+agree_requested`), so every copied step has a complete set, and the step does not wait.
+
+A rank that resumes from copies reads each old rank's files from its own store, or from the
+actors that hold them (`read_copy` in the actor's copy concurrency group, so a holder busy in
+its own set-up still answers), and DCP reshards them onto the new layout.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from raytrain_dt.accel.device import DeviceSpec
+from raytrain_dt.checkpoint.memory_files import CopyReader, save_to_memory
+from raytrain_dt.checkpoint.staging import ReusableStager
+from raytrain_dt.engines.base import Engine
+from raytrain_dt.worker.checkpointing import restore_rng_bytes, rng_state_bytes
+from raytrain_dt.worker.reports import MemoryCopyReport, RankReport
+from raytrain_dt.worker.spec import CopyPeer, MemoryResume
+
+log = logging.getLogger(__name__)
+
+# The rank actor's Ray concurrency group for holding and reading copies: these calls run on
+# threads of their own, beside a set-up or a train loop.
+COPY_GROUP = "memory_copies"
+COPY_GROUP_THREADS = 2
+RNG_FILE = "rng.pt"
+# (generation, step, owner rank): one rank's copy of one step.
+CopyKey = tuple[int, int, int]
+
+
+class CopyStore:
+    """The copies one actor holds, its own rank's and its peers', of the newest `keep`
+    (generation, step) points: the newest may still be incomplete on other ranks, the one
+    before is then the newest complete one. Thread-safe (copy threads put, readers get)."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._copies: dict[CopyKey, dict[str, bytes]] = {}
+        self._lock = threading.Lock()
+
+    def put(self, key: CopyKey, files: dict[str, bytes]) -> None:
+        with self._lock:
+            self._copies[key] = files
+            points = sorted({(g, s) for g, s, _ in self._copies})
+            for old in points[: -self.keep]:
+                for stale in [k for k in self._copies if k[:2] == old]:
+                    del self._copies[stale]
+
+    def get(self, key: CopyKey, name: str) -> bytes | None:
+        with self._lock:
+            files = self._copies.get(tuple(key))
+            return None if files is None else files.get(name)
+
+    def nbytes(self) -> int:
+        with self._lock:
+            return sum(len(b) for files in self._copies.values() for b in files.values())
+
+
+class PeerCopier:
+    """One layout's copies of one rank (see the module's doc)."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        device: DeviceSpec,
+        rank: int,
+        generation: int,
+        actor_index: int,
+        store: CopyStore,
+        peer: CopyPeer | None,
+        report: Callable[[RankReport], None],
+        peer_timeout_s: float = 60.0,
+    ):
+        self.engine, self.device, self.rank = engine, device, rank
+        self.generation, self.actor_index = generation, actor_index
+        self.store, self.peer, self.report = store, peer, report
+        self.peer_timeout_s = peer_timeout_s
+        self.stager = ReusableStager(background=True)  # not the durable save's buffers
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="memory-copy")
+        self._in_flight: Future | None = None
+        self._step_in_flight = -1
+        self.skipped = 0  # boundaries whose copy was skipped: the previous one still in flight
+
+    @property
+    def busy(self) -> bool:
+        """The last copy is still in flight: the ranks agree to skip this boundary's copy."""
+        return self._in_flight is not None and not self._in_flight.done()
+
+    def copy(self, step: int, train_state: dict | None) -> None:
+        """At the step boundary after `step` (training thread): stage and hand off."""
+        self.wait()  # the ranks agreed that every copy is done; a moment's wait at most
+        started = time.perf_counter()
+        staged = self.engine.stage_copy(self.stager)
+        rng = rng_state_bytes(self.device)  # the generators as the next step will find them
+        self._step_in_flight = step
+        self._in_flight = self._executor.submit(
+            self._finish, step, staged, rng, train_state, started
+        )
+
+    def copy_now(self, step: int, train_state: dict | None) -> None:
+        """A copy of `step`, held and reported before this returns (a drain's last state)."""
+        if self._step_in_flight != step:
+            self.wait()
+            self.copy(step, train_state)
+        self.wait()
+
+    def _finish(
+        self, step: int, staged: Future, rng: bytes, train_state: dict | None, started: float
+    ) -> None:
+        try:
+            files = save_to_memory(staged.result(), self.rank)
+            files[RNG_FILE] = rng
+            key = (self.generation, step, self.rank)
+            self.store.put(key, files)
+            holders = [self.actor_index]
+            if self.peer is not None and self._send(key, files):
+                holders.append(self.peer.actor_index)
+            log.debug("rank %d: copy of step %d held by actors %s", self.rank, step, holders)
+            self.report(
+                MemoryCopyReport(
+                    self.generation,
+                    step,
+                    self.rank,
+                    tuple(holders),
+                    {name: len(data) for name, data in files.items()},
+                    train_state,
+                    time.perf_counter() - started,
+                    self.skipped,
+                )
+            )
+        except Exception:  # a failed copy costs this step's copy, never the run
+            log.exception("rank %d: in-memory copy of step %d failed", self.rank, step)
+
+    def _send(self, key: CopyKey, files: dict[str, bytes]) -> bool:
+        import ray
+
+        try:
+            hold = self.peer.handle.hold_copy.options(concurrency_group=COPY_GROUP)
+            ray.get(hold.remote(key, files), timeout=self.peer_timeout_s)
+            return True
+        except Exception as exc:  # the peer died or is slow: the own copy still counts
+            log.warning("rank %d: peer copy of step %d failed: %s", self.rank, key[1], exc)
+            return False
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Until the copy in flight is held and reported; False if still in flight."""
+        if self._in_flight is None:
+            return True
+        try:
+            self._in_flight.result(timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Leave the layout: let a copy in flight finish for at most `timeout_s`."""
+        self.wait(timeout_s)
+        self._executor.shutdown(wait=False)
+
+
+def load_from_copies(
+    engine: Engine,
+    device: DeviceSpec,
+    rank: int,
+    source: MemoryResume,
+    store: CopyStore,
+    actor_index: int,
+    uri: str,
+) -> dict[str, float]:
+    """Load the state of `source` into this layout (collective, as a checkpoint load) and
+    restore this rank's RNG from the old rank of the same number; bytes read per source."""
+    fetched = {"local_bytes": 0.0, "peer_bytes": 0.0}
+
+    def fetch(owner: int, name: str) -> bytes:
+        key = (source.generation, source.step, owner)
+        data = store.get(key, name)
+        if data is not None:
+            fetched["local_bytes"] += len(data)
+            return data
+        data = _read_from_holders(key, name, source.holders.get(owner, []), actor_index)
+        fetched["peer_bytes"] += len(data)
+        return data
+
+    reader = CopyReader(list(range(source.owners)), fetch)
+    engine.load(uri, storage_reader=reader)
+    if rank < source.owners:  # as from a checkpoint: rank r takes old rank r's generators
+        restore_rng_bytes(reader.bytes_of(rank, RNG_FILE), device)
+    return fetched
+
+
+def _read_from_holders(
+    key: CopyKey, name: str, holders: list[tuple[int, object]], actor_index: int
+) -> bytes:
+    import ray
+
+    problems = []
+    for index, handle in holders:
+        if index == actor_index:
+            continue  # not in this actor's store (checked first)
+        try:
+            read = handle.read_copy.options(concurrency_group=COPY_GROUP)
+            data = ray.get(read.remote(key, name), timeout=60)
+        except Exception as exc:
+            problems.append(f"actor {index}: {type(exc).__name__}")
+            continue
+        if data is not None:
+            return data
+        problems.append(f"actor {index}: not held")
+    raise RuntimeError(f"in-memory copy {key} {name}: no holder answered ({problems})")

@@ -1,0 +1,80 @@
+"""The abortable join (`worker/rendezvous.py`): ranks meet on rank 0's store before the process
+group forms, and a rank told to leave stops waiting for a peer that never comes."""
+
+import datetime
+import threading
+import time
+
+from raytrain_dt.worker.rendezvous import JOIN_POLL_S, JoinAborted, join_store
+
+LONG = datetime.timedelta(seconds=60)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _join_in_threads(ranks, world_size, timeout, leave):
+    port, outcomes = _free_port(), {}
+
+    def join(rank):
+        started = time.monotonic()
+        try:
+            store = join_store("127.0.0.1", port, rank, world_size, timeout, leave)
+            outcomes[rank] = (store, time.monotonic() - started)
+        except Exception as exc:  # the outcome under test
+            outcomes[rank] = (exc, time.monotonic() - started)
+
+    threads = [threading.Thread(target=join, args=(r,), daemon=True) for r in ranks]
+    for thread in threads:
+        thread.start()
+    return threads, outcomes
+
+
+def test_every_rank_returns_once_all_have_joined():
+    threads, outcomes = _join_in_threads(range(3), 3, LONG, threading.Event())
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(outcomes) == [0, 1, 2]
+    assert all(not isinstance(store, Exception) for store, _ in outcomes.values())
+
+
+def test_a_rank_told_to_leave_stops_waiting_for_a_dead_peer():
+    leave = threading.Event()
+    threads, outcomes = _join_in_threads([0, 1], 3, LONG, leave)  # rank 2 never comes
+    time.sleep(1.0)
+    assert outcomes == {}  # still waiting
+    left_at = time.monotonic()
+    leave.set()
+    for thread in threads:
+        thread.join(timeout=10)
+    assert sorted(outcomes) == [0, 1]
+    for exc, _ in outcomes.values():
+        assert isinstance(exc, JoinAborted) and "2 of 3 ranks had joined" in str(exc)
+    assert time.monotonic() - left_at < 1.0 + 4 * JOIN_POLL_S
+
+
+def test_a_join_past_its_deadline_says_how_many_came():
+    threads, outcomes = _join_in_threads(
+        [0, 1], 3, datetime.timedelta(seconds=1), threading.Event()
+    )
+    for thread in threads:
+        thread.join(timeout=10)
+    for exc, took in outcomes.values():
+        assert isinstance(exc, TimeoutError) and "2 of 3 ranks joined within 1s" in str(exc)
+        assert 1.0 <= took < 5.0
+
+
+def test_a_rank_whose_rank_0_never_listens_leaves_when_told():
+    leave = threading.Event()
+    threads, outcomes = _join_in_threads([1], 2, LONG, leave)
+    time.sleep(0.5)
+    leave.set()
+    threads[0].join(timeout=10)
+    exc, took = outcomes[1]
+    assert isinstance(exc, JoinAborted) and "before reaching rank 0" in str(exc)
+    assert took >= 0.5  # it waited until it was told, not less
