@@ -134,9 +134,11 @@ class Recovery:
         return Deciding("failed")
 
     def _drop_dead_then_leave(self, broken: list[RankStatus]) -> None:
-        """Let the dead (or silent) ranks go, then tear the rest down, those whose loop or
-        call failed first (`leave_layout`)."""
-        dead = [s.rank for s in broken if s.state != "failed"]
+        """Let the dead ranks go, then tear the rest down, those whose loop or call failed
+        first (`leave_layout`). A rank that was only slow to answer a poll (a loaded host) is
+        torn down like any survivor: the teardown, not a poll's time-out, says whether it
+        can be reused."""
+        dead = [s.rank for s in broken if s.state == "dead"]
         self.group.drop(dead)
         # Ranks shift down past the dropped ones.
         ended = [s.rank - sum(d < s.rank for d in dead) for s in broken if s.state == "failed"]

@@ -32,31 +32,69 @@ def end_cost(shape: ModelShape) -> int:
 def stage_layer_counts(
     n_layers: int, num_stages: int, end_cost: int = END_COST, pp: int = 0
 ) -> list[int]:
-    """Blocks per stage with stage costs (blocks + end costs) as even as they can be: the
-    largest cost is the smallest possible, and every other stage is within one block of it.
+    """Blocks per stage, every stage at least one, with costs (blocks + end costs) as even as
+    they can be, first per stage and then per pp rank.
 
-    `pp` ranks hold the stages looped (rank r: r, r + pp, ...; 0: one stage per rank). Every
-    stage first gets the blocks that bring it to the highest cost all stages can reach
-    together; the few blocks left go one at a time to the cheapest stage, ties to the rank
-    with the least cost (so interleaved ranks stay balanced too), then to the earliest stage.
-    Deterministic. (`pipeline_schedule.py` prices the activations each rank keeps in flight.)
+    The largest stage cost is the smallest possible (each end stage keeps a block besides its
+    extra work). `pp` ranks hold the stages looped (rank r: r, r + pp, ...; 0: one stage per
+    rank), and a rank runs all of its stages every micro-batch, so under that bound the ranks'
+    costs are levelled next: the busiest rank is as cheap as any split makes it. Each rank's
+    blocks are then levelled over its own stages. Where the costs cannot all be equal, the
+    dearer ones are the earliest ranks and, within a rank, its earliest stages (the rule
+    torchtitan's `generate_llm_fqn_per_model_part` follows for one stage per rank: 32 blocks on
+    4 stages are 8, 9, 8, 7). Deterministic. (`pipeline_schedule.py` prices the activations
+    each rank keeps in flight.)
     """
+    if not 1 <= num_stages <= n_layers:
+        raise ValueError(f"{num_stages} pipeline stages for {n_layers} layers")
     if num_stages == 1:
         return [n_layers]
     extra = [end_cost] + [0] * (num_stages - 2) + [end_cost]
-    # The smallest largest cost: the end stages keep a block each besides their extra work.
-    bound = max(1 + end_cost, -(-(n_layers + 2 * end_cost) // num_stages))
-    floor = bound
-    while sum(max(1, floor - e) for e in extra) > n_layers:
-        floor -= 1
-    counts = [max(1, floor - e) for e in extra]
+    # The smallest largest stage cost: the end stages keep a block each besides their extra work.
+    cap = max(1 + end_cost, -(-(n_layers + 2 * end_cost) // num_stages))
     ranks = pp or num_stages
-    for _ in range(n_layers - sum(counts)):
-        cost = [c + e for c, e in zip(counts, extra, strict=True)]
-        rank_cost = [sum(cost[r::ranks]) for r in range(ranks)]
-        cheapest = min(range(num_stages), key=lambda s: (cost[s], rank_cost[s % ranks], s))
-        counts[cheapest] += 1
+    held = [list(range(r, num_stages, ranks)) for r in range(ranks)]
+    per_rank = _level(
+        n_layers,
+        [len(stages) for stages in held],
+        [sum(cap - extra[s] for s in stages) for stages in held],
+        [sum(extra[s] for s in stages) for stages in held],
+    )
+    counts = [0] * num_stages
+    for stages, blocks in zip(held, per_rank, strict=True):
+        own = _level(
+            blocks, [1] * len(stages), [cap - extra[s] for s in stages], [extra[s] for s in stages]
+        )
+        for s, c in zip(stages, own, strict=True):
+            counts[s] = c
     return counts
+
+
+def _level(total: int, lows: list[int], highs: list[int], offsets: list[int]) -> list[int]:
+    """`total` split into parts lows[i] <= a[i] <= highs[i] with costs a[i] + offsets[i] as even
+    as they can be (water-filling): the largest cost is the smallest possible, and the parts
+    at that level beyond what `total` needs give a block back from the last one down."""
+    if not sum(lows) <= total <= sum(highs):
+        raise ValueError(f"{total} blocks cannot fill parts of {lows} to {highs} blocks")
+
+    def fill(level: int) -> list[int]:
+        return [min(hi, max(lo, level - o)) for lo, hi, o in zip(lows, highs, offsets)]
+
+    low = min(lo + o for lo, o in zip(lows, offsets))
+    high = max(hi + o for hi, o in zip(highs, offsets))
+    while low < high:  # the smallest level whose fill holds `total`
+        mid = (low + high) // 2
+        if sum(fill(mid)) >= total:
+            high = mid
+        else:
+            low = mid + 1
+    parts = fill(low)
+    surplus = sum(parts) - total
+    for i in reversed(range(len(parts))):
+        if surplus and parts[i] > lows[i] and parts[i] + offsets[i] == low:
+            parts[i] -= 1
+            surplus -= 1
+    return parts
 
 
 def pipeline_degrees(n_layers: int) -> list[int]:

@@ -2,7 +2,8 @@
 model's prediction of each: the reference `calibration.py` is fitted to and checked against.
 
 Each `PublishedRun` is one row of a paper's or project's table, with the exact configuration it
-states; what the source leaves out is an `assumed` note. The published figure is turned into
+states; what the source leaves out is an `assumed` note, and `ref` says where the figure was
+read (URL, table, row; `SOURCES_CHECKED` how). The published figure is turned into
 seconds per step with the source's own formula, and the prediction into the source's unit, so
 the ratio is throughput predicted / published (1.0 = exact). bench/bench_planner.py renders the
 table, tests/unit/test_calibration.py holds every row within `TOLERANCE`.
@@ -33,43 +34,76 @@ FREE_PICK_SLACK = 0.05
 
 MEGATRON = "Narayanan et al. 2021 (Megatron-LM PTD-P), Table 1"
 MEGASCALE = "Jiang et al. 2024 (MegaScale), Table 2, Megatron-LM baseline"
-TITAN_A100 = "torchtitan docs/performance.md (2024-07), Llama 3 / Llama 2 on 64 A100"
+TITAN_A100 = "torchtitan docs/performance.md (2024), Llama 3 / Llama 2 on 64 A100"
 TITAN_H100 = "torchtitan docs/performance.md (2024-12), Tables 1 and 3"
 LLAMA3 = "Dubey et al. 2024 (The Llama 3 Herd of Models), Table 4"
 
 
-# Where each source's rows were read back (figures and stated configuration), for the table's
-# "Sources checked" list: (where, what matched, what the text leaves out).
+# Where each source's figures were read back, and how (the URLs are also in each row's `ref`).
+MEGATRON_README = (
+    "https://github.com/NVIDIA/Megatron-LM/blob/50a4b5fa0280a160cc1b03a1c15faddbc1b1da9a/"
+    "images/cases_april2021.png"
+)
+TITAN_A100_DOC = (
+    "https://github.com/pytorch/torchtitan/blob/3faaa1a0dee68ce028400e3dafd1735d152cb4f8/"
+    "docs/performance.md"
+)
+TITAN_H100_DOC = (
+    "https://github.com/pytorch/torchtitan/blob/d4c86e3758a84cf23e2e879ab3c995cba9d5e410/"
+    "docs/performance.md"
+)
+LLAMA3_PAPER = "https://arxiv.org/abs/2407.21783"
+MEGASCALE_PAPER = "https://arxiv.org/abs/2402.15627"
+
+# For the table's "Sources checked" list: source -> (where it was read, what matched and what
+# the text leaves out).
 SOURCES_CHECKED: dict[str, tuple[str, str]] = {
     MEGATRON: (
-        "arXiv 2104.04473 Table 1, as transcribed in two independent public notes found by "
-        "text search (the 2021 NVIDIA/Megatron-LM README showed the table only as an image)",
-        "all 10 rows: heads, hidden, layers, tp, pp, GPUs, batch, TFLOP/s per GPU (137-163) "
-        "match; sequence 2048 and vocabulary 51,200 from the README text",
+        f"{MEGATRON_README} (the README of 2021-04-08 shows the paper's Table 1 as this image, "
+        "read here); heads and the tp x pp split from a public reading note's text "
+        "transcription of arXiv 2104.04473 Table 1 (found by text search; the index does not "
+        "name its repository)",
+        "all 10 rows: hidden, layers, parameters, model-parallel size (= tp x pp), GPUs, batch, "
+        "TFLOP/s per GPU (137-163), % of peak and aggregate PFLOP/s match the image; heads and "
+        "tp/pp from the transcription agree with its model-parallel sizes; vocabulary 51,200 "
+        "and sequence 2048 from the same README's text. Micro-batch and schedule not stated",
     ),
     TITAN_A100: (
-        "github.com/pytorch/torchtitan docs/performance.md (2024 version, 64 A100 80GB)",
-        "local batch, AC mode, WPS (2904, 331, 2162, 353) match; sequence 8192 (Llama 3) and "
-        "4096 (Llama 2) as the page states",
+        f"{TITAN_A100_DOC} (the 64 x A100 80GB tables, on main from 2024-04-24 until Llama 2 "
+        "was dropped on 2024-12-03); sequence lengths from train_configs/llama3_8b.toml and "
+        "llama3_70b.toml (8192), llama2_13b.toml and llama2_70b.toml (4096) at that commit",
+        "local batch, AC mode and WPS of the 4 rows (2904, 331, 2162, 353) match; global batch "
+        "= local x 64 as the page states",
     ),
     TITAN_H100: (
-        "github.com/pytorch/torchtitan docs/performance.md @eaea6f6 (2024-12; later "
-        "benchmarks/llama3_h100_202412_torchtitan.md)",
+        f"{TITAN_H100_DOC} (2025-01-30; runs of 2024-12, later moved to "
+        "benchmarks/llama3_h100_202412_torchtitan.md); sequence 8192 from "
+        "train_configs/llama3_8b.toml at the same commit",
         "Tables 1 and 3, FSDP eager rows (no torch.compile, no Float8): local batch 2, global "
         "16 and 256, selective AC, 5,762 and 5,605 TPS/GPU; H100 96 GB HBM2e at 500 W",
     ),
     LLAMA3: (
-        "arXiv 2407.21783 §3.3.2 and Table 4, as transcribed in several public notes (two "
-        "with the full section text)",
+        f"{LLAMA3_PAPER} §3.3.2 and Table 4 (p. 10), read in full-text copies of the arXiv "
+        "HTML and PDF stored in public repositories (found by text search); GPUs, TP, CP, PP, "
+        "tokens per batch and TFLOP/s also on an SC'24 slide quoted at "
+        "https://glennklockwood.com/garden/llama-3.1",
         "8,192 and 16,384 GPUs, TP 8, CP 1, PP 16, DP 64/128, sequence 8192, batch/DP 32/16 "
-        "(2,048 sequences), 430/400 TFLOPs/GPU (43%/41% BF16 MFU); FSDP without resharding "
-        "after forward, interleaved schedule, first/last stage one layer short, no AC",
+        "(2,048 sequences, 16M tokens), 430/400 TFLOP/s per GPU (43%/41% BF16 MFU); FSDP "
+        "sharding gradients and optimizer states without resharding parameters after forward, "
+        "interleaved schedule, first/last stage one layer short, no activation checkpointing. "
+        "The third row (CP 16, 131,072 tokens, 380 TFLOP/s, 38%) is long-context training, "
+        "not modelled",
     ),
     MEGASCALE: (
-        "arXiv 2402.15627 Tables 1-2, as transcribed in a public reading note; the 12,288-GPU "
-        "MegaScale row also in JaneLiCC/Notes eos.md",
+        f"{MEGASCALE_PAPER} Tables 1-2 as transcribed, with iteration times and throughputs, "
+        "in a public reading note (found by text search; the index does not name its "
+        "repository); the 12,288-GPU row (tp 8, pp 8, dp 192, batch 6144) also in "
+        "https://github.com/JaneLiCC/Notes/blob/main/eos.md, sequence 2048 and vocabulary 64K "
+        "in https://github.com/JaneLiCC/Notes/blob/main/megaScale.md",
         "175B: 96 layers, hidden 12288, 128 heads, TP 8, PP 8; batch 768 on 256-1,024 GPUs, "
-        "6,144 on 3,072-12,288; Megatron-LM MFU 53.0-41.2%",
+        "6,144 on 3,072-12,288; Megatron-LM MFU 53.0, 49.9, 46.7, 44.7, 48.7, 47.8, 43.3, "
+        "41.2%, and 55.2/1.34 = 41.2 from the abstract; iteration times 40.0-8.57 s agree "
+        "with MFU x 312 TFLOP/s",
     ),
 }
 
@@ -94,6 +128,7 @@ class PublishedRun:
     # Gradients accumulate (fp32) over the micro-batches and are reduce-scattered once per step.
     defer_grad_sync: bool = False
     assumed: str = ""  # configuration the source does not state
+    ref: str = ""  # where the figure was read: URL, table and row
 
     def layout(self) -> Layout:
         dp = self.gpus // (self.tp * self.pp)
@@ -172,9 +207,10 @@ class PublishedRun:
         return free.step_time.total_s / published.step_time.total_s, why
 
 
-def _gpt(dim: int, layers: int, heads: int) -> ModelShape:
-    """Megatron's GPT: vocabulary 51,200, 4h MLP of two matrices (as 8h/3 of our three)."""
-    return ModelShape(dim, layers, heads, heads, 51200, round(8 * dim / 3))
+def _gpt(dim: int, layers: int, heads: int, vocab: int = 51200) -> ModelShape:
+    """Megatron's GPT: vocabulary 51,200 (the README's), 4h MLP of two matrices (as 8h/3 of our
+    three)."""
+    return ModelShape(dim, layers, heads, heads, vocab, round(8 * dim / 3))
 
 
 LLAMA3_8B = ModelShape(4096, 32, 32, 8, 128256, 14336, rope_theta=500000.0)
@@ -182,7 +218,9 @@ LLAMA2_70B = ModelShape(8192, 80, 64, 8, 32000, 28672)
 
 _MEGATRON_ASSUMED = "micro-batch 1 and the 1F1B schedule (not in Table 1)"
 _LLAMA3_ASSUMED = (
-    "micro-batch 1 and 4 virtual stages (not in Table 4); FSDP sharding gradients and optimizer "
+    "micro-batch 1 and 4 virtual stages (not in Table 4; §3.3.2's first chunk holding only the "
+    "embedding suggests one-block chunks, which 126 blocks on 128 chunks cannot give every "
+    "chunk here); FSDP sharding gradients and optimizer "
     "states but not resharding parameters after forward, no recomputation (as §3.3.2 says). "
     "The memory model puts this layout over 80 GB, its activations alone over what the budget "
     "leaves them (the free-pick row gives the figures): the interleaved schedule's warm-up keeps "
@@ -197,12 +235,16 @@ _TITAN_H100_ASSUMED = (
 )
 _MEGASCALE_ASSUMED = (
     "micro-batch 1, 1F1B without interleaving, Megatron's distributed optimizer priced as "
-    "ZeRO-1, selective (no full) recomputation, vocabulary 51,200 (not in the paper's Tables "
-    "1-2); sequence 2048 from Table 2's throughput x iteration time / batch"
+    "ZeRO-1, selective (no full) recomputation (not in the paper's Tables 1-2). Sequence 2048 "
+    "from Table 2's throughput x iteration time / batch; vocabulary 64K from a reading note "
+    "(51,200 would change the FLOP count by 0.1%). The same note reads the runs as interleaved "
+    "with 6 virtual stages, which the tables do not show; priced that way the rows read "
+    "0.91-1.09 instead of 0.90-0.97"
 )
 
 
 def _megatron(label, dim, layers, heads, tp, pp, gpus, batch, tflops) -> PublishedRun:
+    size = label.removeprefix("GPT ")
     return PublishedRun(
         MEGATRON,
         label,
@@ -219,6 +261,7 @@ def _megatron(label, dim, layers, heads, tp, pp, gpus, batch, tflops) -> Publish
         tflops,
         "TFLOP/s/GPU (hw)",
         assumed=_MEGATRON_ASSUMED,
+        ref=f"{MEGATRON_README}, row {size} (arXiv 2104.04473 Table 1)",
     )
 
 
@@ -226,7 +269,7 @@ def _megascale(gpus: int, batch: int, mfu: float) -> PublishedRun:
     return PublishedRun(
         MEGASCALE,
         f"GPT 175B, {gpus:,} GPUs, batch {batch}",
-        _gpt(12288, 96, 128),
+        _gpt(12288, 96, 128, vocab=64000),
         A100_80GB,
         gpus,
         8,
@@ -239,6 +282,7 @@ def _megascale(gpus: int, batch: int, mfu: float) -> PublishedRun:
         mfu,
         "% MFU (model)",
         assumed=_MEGASCALE_ASSUMED,
+        ref=f"{MEGASCALE_PAPER} Table 2, Megatron-LM, batch {batch}, {gpus:,} GPUs",
     )
 
 
@@ -271,6 +315,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         2904,
         "tokens/s/GPU",
         assumed="selective AC priced as none",
+        ref=f"{TITAN_A100_DOC}, Llama 3 table, 8B / batch 1 / selective layer",
     ),
     PublishedRun(
         TITAN_A100,
@@ -287,6 +332,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         True,
         331,
         "tokens/s/GPU",
+        ref=f"{TITAN_A100_DOC}, Llama 3 table, 70B / batch 1 / full",
     ),
     PublishedRun(
         TITAN_A100,
@@ -303,6 +349,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         False,
         2162,
         "tokens/s/GPU",
+        ref=f"{TITAN_A100_DOC}, Llama 2 table, 13B / batch 2 / no",
     ),
     PublishedRun(
         TITAN_A100,
@@ -319,6 +366,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         True,
         353,
         "tokens/s/GPU",
+        ref=f"{TITAN_A100_DOC}, Llama 2 table, 70B / batch 2 / full",
     ),
     # FSDP2 (1D), eager bf16 (no torch.compile, no Float8), local batch 2, selective AC.
     PublishedRun(
@@ -337,6 +385,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         5762,
         "tokens/s/GPU",
         assumed=_TITAN_H100_ASSUMED,
+        ref=f"{TITAN_H100_DOC}, Table 1, row FSDP",
     ),
     PublishedRun(
         TITAN_H100,
@@ -354,6 +403,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         5605,
         "tokens/s/GPU",
         assumed=_TITAN_H100_ASSUMED,
+        ref=f"{TITAN_H100_DOC}, Table 3, row FSDP",
     ),
     # Llama 3 405B pre-training, H100 SXM 80GB, tp=8 pp=16 (uneven first/last stages), 16M
     # tokens per step, bf16; TFLOP/s per GPU as published (43% and 41% BF16 MFU).
@@ -375,6 +425,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         virtual_stages=4,
         defer_grad_sync=True,
         assumed=_LLAMA3_ASSUMED,
+        ref=f"{LLAMA3_PAPER} Table 4, row 1 (8,192 GPUs)",
     ),
     PublishedRun(
         LLAMA3,
@@ -394,6 +445,7 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         virtual_stages=4,
         defer_grad_sync=True,
         assumed=_LLAMA3_ASSUMED,
+        ref=f"{LLAMA3_PAPER} Table 4, row 2 (16,384 GPUs, DP 128)",
     ),
     # GPT-3 175B (Table 1: 96 layers, hidden 12288, 128 heads, tp=8 pp=8) on A100 GPUs, 8 x 200
     # Gb/s NICs per node; the Megatron-LM baseline's MFU at a fixed batch (strong scaling).
