@@ -43,7 +43,7 @@ from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.deciding import Decider
 from raytrain_dt.control.driver_signals import sigterm_stops
 from raytrain_dt.control.formation import Formation, FormationTimedOut, NoRoomForLayout
-from raytrain_dt.control.group import FormationFault, RankGroupLike
+from raytrain_dt.control.group import FormationFault, PlacementTimedOut, RankGroupLike
 from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.policies import (
     ElasticPolicy,
@@ -312,7 +312,10 @@ class Coordinator:
         run = self.run_state
         listed = self.cluster.nodes()
         run.lost_nodes &= {n.node_id for n in listed}  # forget them once Ray agrees
-        nodes = tuple(n for n in listed if n.node_id not in run.lost_nodes)
+        now = time.time()
+        run.benched_nodes = {n: until for n, until in run.benched_nodes.items() if until > now}
+        left_out = run.lost_nodes | set(run.benched_nodes)
+        nodes = tuple(n for n in listed if n.node_id not in left_out)
         key = tuple(n.node_id for n in nodes)
         if key != run.nodes_key:
             run.nodes_key, run.nodes_since = key, time.time()
@@ -387,6 +390,12 @@ class Coordinator:
         except NoRoomForLayout as exc:  # capacity went since the decision: re-plan
             log.warning("%s: re-planning", exc)
             return Deciding("failed" if isinstance(state, Restarting) else "ok")
+        except PlacementTimedOut as exc:
+            if not run.formed:
+                raise  # the first layout does not fit the cluster: the user's to fix
+            # A node that held ranks cannot host them again in time: re-plan without it.
+            bench_s = self.cfg.elastic.grow_stable_s + self.cfg.cluster.placement_timeout_s
+            return self.recovery.on_placement_timeout(exc, bench_s, isinstance(state, Restarting))
         except FormationTimedOut as exc:
             # The run stops with its checkpoints intact and the reason; this is the one place
             # a retry elsewhere would go.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
+from raytrain_dt.errors import UserError
 from raytrain_dt.worker.reports import RankStatus
 
 if TYPE_CHECKING:
@@ -36,6 +37,17 @@ class FormationFault(Exception):
     def __init__(self, detail: str, nodes: frozenset[str] = frozenset(), actor_died: bool = True):
         super().__init__(detail)
         self.nodes, self.actor_died = nodes, actor_died
+
+
+class PlacementTimedOut(UserError):
+    """No room for a node's ranks within `cluster.placement_timeout_s`: on a cluster too small
+    for the first layout, the user's error; in a re-formation, a node that cannot host what it
+    hosted before (its resources held, the node going), which the coordinator re-plans
+    without for a while."""
+
+    def __init__(self, detail: str, node_id: str):
+        super().__init__(detail)
+        self.node_id = node_id
 
 
 @runtime_checkable

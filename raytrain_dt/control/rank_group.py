@@ -21,9 +21,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from raytrain_dt.control.group import NODE_DIED, FormationFault
+from raytrain_dt.control.group import NODE_DIED, FormationFault, PlacementTimedOut
 from raytrain_dt.control.placement import assign_ranks
-from raytrain_dt.errors import UserError
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus
 
 if TYPE_CHECKING:
@@ -125,9 +124,10 @@ class RankGroup:
             ray.get(pg.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError as exc:
             ray.util.remove_placement_group(pg)
-            raise UserError(
+            raise PlacementTimedOut(
                 f"cluster.placement_timeout_s: no room for {count} ranks of {self.resource} on "
-                f"node {node_id[:12]} within {timeout_s:.0f}s"
+                f"node {node_id[:12]} within {timeout_s:.0f}s",
+                node_id,
             ) from exc
         reservation = NodeReservation(pg, node_id, count)
         self.reservations.append(reservation)

@@ -18,7 +18,7 @@ from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.control.cluster import ClusterView
 from raytrain_dt.control.copy_holders import CopyHolders, live_actors
 from raytrain_dt.control.deadlines import Bound, Deadlines
-from raytrain_dt.control.group import NODE_DIED, FormationFault, RankGroupLike
+from raytrain_dt.control.group import NODE_DIED, FormationFault, PlacementTimedOut, RankGroupLike
 from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Deciding, Draining, State, Stopped
@@ -132,6 +132,20 @@ class Recovery:
         self._drop_dead_then_leave([s for s in statuses if s.state != "running"])
         run.left_layout()
         return Deciding("failed")
+
+    def on_placement_timeout(
+        self, exc: PlacementTimedOut, bench_s: float, restarting: bool
+    ) -> Deciding:
+        """A node's ranks found no room within the placement time-out while the group
+        re-formed (its resources still held, or the node going away): the next plans leave it
+        out for `bench_s`, after which it counts as a node that has just arrived."""
+        run = self.run
+        run.benched_nodes[exc.node_id] = time.time() + bench_s
+        self.recorder.event(
+            "placement_timeout", step=run.step, node=exc.node_id, detail=str(exc), bench_s=bench_s
+        )
+        log.warning("%s: re-planning without that node for %.0fs", exc, bench_s)
+        return Deciding("failed" if restarting else "ok")
 
     def _drop_dead_then_leave(self, broken: list[RankStatus]) -> None:
         """Let the dead ranks go, then tear the rest down, those whose loop or call failed

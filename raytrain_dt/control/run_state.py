@@ -57,6 +57,9 @@ class RunState:
     draining: set[str] = field(default_factory=set)
     # Nodes whose actors died with their node: excluded before Ray's health check says so.
     lost_nodes: set[str] = field(default_factory=set)
+    # Nodes that could not host their ranks within cluster.placement_timeout_s in a
+    # re-formation, left out of the plans until time.time() passes the value.
+    benched_nodes: dict[str, float] = field(default_factory=dict)
     # The node set seen last and since when (time.time()): growth waits for it to be stable.
     nodes_key: tuple[str, ...] | None = None
     nodes_since: float = 0.0

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_dt.checkpoint.digests import FileDigests, verify_files
-from raytrain_dt.control.group import NODE_DIED, FormationFault
+from raytrain_dt.control.group import NODE_DIED, FormationFault, PlacementTimedOut
 from raytrain_dt.topology.nodes import NodeInfo
 from raytrain_dt.worker.reports import (
     Notice,
@@ -75,6 +75,8 @@ class FakeRankGroup:
         self.setup_hangs = False  # the next `setup` never returns (its deadline passes)
         # The next `setup` loses this node (its actors die with it, as Ray reports).
         self.setup_loses_node: str | None = None
+        # The next `form` finds no room on this node within the placement time-out.
+        self.placement_times_out_on: str | None = None
         self.torn_down: list[list[int] | None] = []  # the ranks of each `teardown` call
         self._stop_requested = False
         self.verified: list[set[str]] = []  # the files checked before each formation
@@ -87,6 +89,9 @@ class FakeRankGroup:
     def form(
         self, counts_by_node: dict[str, int], timeout_s: float, start_timeout_s: float | None = None
     ) -> None:
+        if self.placement_times_out_on in counts_by_node:
+            node, self.placement_times_out_on = self.placement_times_out_on, None
+            raise PlacementTimedOut(f"cluster.placement_timeout_s: no room on node {node}", node)
         self.collect_warm()
         kept = [s for s in self.slots + self.idle if s.state != "dead"]
         self.slots = []

@@ -12,6 +12,7 @@ from fakes import FakeCluster, FakeRankGroup
 from raytrain_dt.config import load_config
 from raytrain_dt.config.schema import ElasticConfig
 from raytrain_dt.control.coordinator import Coordinator
+from raytrain_dt.control.group import PlacementTimedOut
 from raytrain_dt.control.policies import capacity_request
 from raytrain_dt.control.recovery import lost_with_node
 from raytrain_dt.control.states import (
@@ -243,6 +244,36 @@ def test_a_node_lost_while_forming_is_re_planned_not_raised(start):
     assert resize["new_layout"]["dims"]["world_size"] == 3 and resize["new_actors"] == []
     assert isinstance(advance_until(coordinator, Finished), Finished)
     assert coordinator.step == 12
+
+
+def test_a_placement_timeout_while_re_forming_re_plans_without_the_node(start):
+    """After a rank death, the re-formation finds no room on node c within the placement
+    time-out (its resources still held): the run re-plans without c, trains on, and the
+    first layout's placement time-out stays the user's error (tested in tests/ray)."""
+    coordinator, _, group = start(
+        ("a", "b", "c"), "elastic.grow_stable_s=1000", "trainer.global_batch=12"
+    )
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    group.kill_rank(1)
+    assert isinstance(coordinator.advance(), Restarting)
+    group.placement_times_out_on = "c"
+    state = coordinator.advance()
+    assert isinstance(state, Restarting) and state.decision.nodes == ("a", "b")
+    (timeout,) = events(coordinator, "placement_timeout")
+    assert timeout["node"] == "c" and timeout["bench_s"] == 1000 + 60
+    assert set(coordinator.run_state.benched_nodes) == {"c"}
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 1, "b": 2}
+    assert isinstance(advance_until(coordinator, Finished), Finished)
+    assert coordinator.step == 12
+
+
+def test_a_placement_timeout_in_the_first_formation_is_the_users_error(start):
+    coordinator, _, group = start()
+    group.placement_times_out_on = "a"
+    with pytest.raises(PlacementTimedOut, match="cluster.placement_timeout_s"):
+        advance_until(coordinator, Running)
 
 
 @pytest.mark.parametrize("source", ["sigterm", "spot", "ray-drain"])

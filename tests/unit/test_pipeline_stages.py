@@ -4,6 +4,8 @@ the planner's models and for the pipeline code."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from raytrain_dt.config.load import load_config
@@ -55,6 +57,7 @@ def _stage_costs(counts: list[int], end: int) -> list[int]:
 
 @pytest.mark.parametrize("end", [0, 1])
 def test_every_split_is_cost_balanced_per_stage_and_per_rank(end) -> None:
+    # With an end cost of at most a block, both levellings reach within one block.
     for n_layers in range(1, 130):
         for pp in range(1, 17):
             for v in (1, 2, 3, 4):
@@ -82,8 +85,17 @@ def test_every_split_is_cost_balanced_per_stage_and_per_rank(end) -> None:
         ("llama-405b", 16, 1, [7] + [8] * 14 + [7]),
         # Interleaved: 64 stages of 2 blocks, the end ones give a block to the embedding/head.
         ("llama-405b", 16, 4, [1] + [2] * 62 + [1]),
-        # 80 blocks on 20 stages (82 blocks' worth of cost): 4 or 5 each, no tail of 1s.
-        ("llama-70b", 5, 4, [4, 5] + [4] * 17 + [3]),
+        # 80 blocks on 5 ranks x 4 stages (82 blocks' worth of cost): 4 each, the embedding
+        # and the head making the end stages cost 5; not 4, 5 x 14, 2, 1 x 4, nor a 5 and a 3.
+        ("llama-70b", 5, 4, [4] * 20),
+        # 80 blocks on 32 stages: 2 or 3 each; the head's stage costs 3 with 2.
+        ("llama-70b", 8, 4, [2] + [3] * 16 + [2] * 15),
+        # 40 blocks on 32 stages: the 8 two-block chunks one per rank, the end ranks' going to
+        # the stage without the embedding or the head.
+        ("llama-13b", 8, 4, [1] + [2] * 8 + [1] * 23),
+        ("llama-405b", 8, 2, [7] + [8] * 14 + [7]),
+        # 126 blocks on 3 stages: 42 each (43 with the embedding or the head), not 42, 43, 41.
+        ("llama-405b", 3, 1, [42, 42, 42]),
     ],
 )
 def test_interleaved_splits_of_the_big_presets(preset, pp, v, expected) -> None:
@@ -94,6 +106,90 @@ def test_interleaved_splits_of_the_big_presets(preset, pp, v, expected) -> None:
     assert max(costs) - min(costs) <= 1
     rank_costs = [sum(costs[r::pp]) for r in range(pp)]
     assert max(rank_costs) - min(rank_costs) <= 1
+
+
+def test_a_large_head_is_balanced_per_rank_too() -> None:
+    # llama-1b: a 128,256 x 2,048 head is 4 blocks' worth. On 4 ranks x 2 stages the ends keep
+    # one block each (cost 5), and the ranks holding them take one block on their other stage,
+    # so every rank costs 6 (24 blocks' worth / 4); the end ranks used to cost 7 (1, 3, 3, 2,
+    # 2, 2, 2, 1), which made them the pipeline's bottleneck.
+    l1b = PRESETS["llama-1b"]
+    assert end_cost(l1b) == 4
+    counts = split_of(l1b, 4, 2)
+    assert counts == [1, 3, 3, 1, 1, 3, 3, 1]
+    costs = _stage_costs(counts, 4)
+    assert [sum(costs[r::4]) for r in range(4)] == [6, 6, 6, 6]
+    assert busiest_rank_share(l1b, 4, 2) == pytest.approx(6 / 24)
+
+
+def _splits(n_layers: int, stages: int):
+    """Every split of n_layers blocks into `stages` stages of at least one block."""
+    for cuts in itertools.combinations(range(1, n_layers), stages - 1):
+        bounds = (0, *cuts, n_layers)
+        yield [b - a for a, b in itertools.pairwise(bounds)]
+
+
+@pytest.mark.parametrize("end", [0, 1, 2, 4])
+def test_no_split_has_a_cheaper_dearest_stage_or_busiest_rank(end) -> None:
+    # Against every possible split of up to 12 blocks: the dearest stage is as cheap as it can
+    # be, and under that the busiest rank (which sets an interleaved pipeline's pace) too.
+    for n_layers in range(2, 13):
+        for pp in range(1, 5):
+            for v in (1, 2, 3):
+                stages = pp * v
+                if not 1 < stages <= n_layers:
+                    continue
+
+                def worst(counts, pp=pp):
+                    costs = _stage_costs(counts, end)
+                    return max(costs), max(sum(costs[r::pp]) for r in range(pp))
+
+                best = min(worst(c) for c in _splits(n_layers, stages))
+                counts = stage_layer_counts(n_layers, stages, end, pp)
+                assert worst(counts) == best, (n_layers, pp, v, end, counts)
+
+
+@pytest.mark.parametrize("preset", ["llama-7b", "llama-13b", "llama-70b", "llama-405b"])
+def test_interleaved_chunks_differ_only_by_what_the_ends_force(preset) -> None:
+    # Every degree the planner tries: one split summing to the layer count, no empty chunk, the
+    # middle chunks within a block of each other and the end ones at most `end_cost` smaller.
+    shape = PRESETS[preset]
+    end = end_cost(shape)
+    assert end <= 1
+    for pp in pipeline_degrees(shape.n_layers):
+        for v in (1, 2, 4):
+            if not 1 < pp * v <= shape.n_layers:
+                continue
+            counts = split_of(shape, pp, v)
+            where = (preset, pp, v, counts)
+            assert len(counts) == pp * v and sum(counts) == shape.n_layers, where
+            assert min(counts) >= 1, where
+            middle = counts[1:-1] or counts
+            assert max(middle) - min(middle) <= 1, where
+            assert min(middle) - end <= min(counts[0], counts[-1]), where
+            assert max(counts[0], counts[-1]) <= max(middle), where
+
+
+def test_interleaved_split_model_puts_the_embedding_and_head_on_the_end_stages() -> None:
+    # tiny (4 blocks) on pp=2 x v=2: rank 0 runs stages 0 and 2, rank 1 stages 1 and 3; only
+    # stage 0 keeps the embedding and only stage 3 the head.
+    tiny = PRESETS["tiny"]
+    dims = ParallelDims(world_size=2, pp=2, dp_replicate=1, dp_shard=1, tp=1)
+    layout = Layout(dims, 0, 1, 4, pp_schedule="interleaved", virtual_stages=2)
+    assert split_of(tiny, 2, 2) == [1, 1, 1, 1]
+    rank0 = split_model(build_model(tiny, 64, seed=0), layout, pp_rank=0)
+    rank1 = split_model(build_model(tiny, 64, seed=0), layout, pp_rank=1)
+    assert [list(p.layers.keys()) for p in rank0] == [["0"], ["2"]]
+    assert [list(p.layers.keys()) for p in rank1] == [["1"], ["3"]]
+    assert rank0[0].tok_embeddings is not None and rank0[1].tok_embeddings is None
+    assert all(p.tok_embeddings is None for p in rank1)
+    assert rank1[1].output is not None and rank1[0].output is None
+    assert all(p.output is None for p in rank0)
+
+
+def test_more_stages_than_layers_is_refused() -> None:
+    with pytest.raises(ValueError, match="5 pipeline stages for 4 layers"):
+        stage_layer_counts(4, 5)
 
 
 def test_pinned_split_and_interleaving_follow_the_stages_a_rank_holds() -> None:
