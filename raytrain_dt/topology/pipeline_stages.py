@@ -32,21 +32,23 @@ def end_cost(shape: ModelShape) -> int:
 def stage_layer_counts(
     n_layers: int, num_stages: int, end_cost: int = END_COST, pp: int = 0
 ) -> list[int]:
-    """Blocks per stage, every stage at least one: costs (blocks + end costs) as even as they
-    can be, first per stage, then per pp rank; under those bounds the blocks themselves.
+    """Blocks per stage, every stage at least one, with costs (blocks + end costs) as even as
+    they can be: first per stage, then per pp rank.
 
     1. The largest stage cost is the smallest possible; each end stage keeps a block besides
-       its extra work, and gives up blocks only where that bound makes it.
+       its extra work.
     2. `pp` ranks hold the stages looped (rank r: r, r + pp, ...; 0: one stage per rank) and a
-       rank runs all of its stages every micro-batch, so the busiest rank is next made as cheap
-       as any split under (1) makes it.
-    3. Under both bounds the blocks are spread as evenly as they go, first over the ranks, then
-       over each rank's stages, so chunk sizes differ only where the embedding and the head
-       force it (80 blocks on 5 ranks x 4 stages: 4 each). Where blocks cannot all be equal the
-       earlier stages get the extra ones (torchtitan's `generate_llm_fqn_per_model_part` does
-       the same for one stage per rank).
+       rank runs all of its stages every micro-batch, so under (1) the ranks' costs are
+       levelled: the busiest rank is as cheap as any split makes it (llama-1b's 4-block head on
+       4 ranks x 2 stages: 1, 3, 3, 1, 1, 3, 3, 1, every rank 6).
+    3. Each rank's blocks are levelled over its own stages the same way.
 
-    Deterministic. (`pipeline_schedule.py` prices the activations each rank keeps in flight.)
+    Where costs cannot all be equal (the cost is not a multiple of the parts), the dearer ones
+    are the earliest ranks and, within a rank, its earliest stages: for one stage per rank the
+    split torchtitan's `generate_llm_fqn_per_model_part` gives (32 blocks on 4 stages: 8, 9, 8,
+    7; Llama 3 405B's 126 on 16: 7, 8 x 14, 7). So stage costs differ by at most a block where
+    the end costs allow it, and chunk sizes by at most a block plus the end cost. Deterministic.
+    (`pipeline_schedule.py` prices the activations each rank keeps in flight.)
     """
     if not 1 <= num_stages <= n_layers:
         raise ValueError(f"{num_stages} pipeline stages for {n_layers} layers")
@@ -55,56 +57,49 @@ def stage_layer_counts(
     extra = [end_cost] + [0] * (num_stages - 2) + [end_cost]
     # (1) The smallest largest stage cost, and so the most blocks each stage may take.
     cap = max(1 + end_cost, -(-(n_layers + 2 * end_cost) // num_stages))
-    stage_most = [cap - e for e in extra]
+    most = [cap - e for e in extra]
     ranks = pp or num_stages
     held = [list(range(r, num_stages, ranks)) for r in range(ranks)]
-    fewest = [len(stages) for stages in held]
-    most = [sum(stage_most[s] for s in stages) for stages in held]
-    ends = [sum(extra[s] for s in stages) for stages in held]
-    # (2) The smallest largest rank cost, and so the most blocks each rank may take.
-    rank_cap = _lowest_level(n_layers, fewest, most, ends)
-    rank_most = [min(hi, max(lo, rank_cap - e)) for lo, hi, e in zip(fewest, most, ends)]
-    # (3) Blocks as even as they go under both bounds: over the ranks, then each rank's stages.
+    # (2) Blocks per rank, levelling the ranks' costs under that bound.
+    per_rank = _level(
+        n_layers,
+        [len(stages) for stages in held],
+        [sum(most[s] for s in stages) for stages in held],
+        [sum(extra[s] for s in stages) for stages in held],
+    )
+    # (3) Each rank's blocks over its stages.
     counts = [0] * num_stages
-    for stages, blocks in zip(held, _even(n_layers, fewest, rank_most), strict=True):
-        own = _even(blocks, [1] * len(stages), [stage_most[s] for s in stages])
+    for stages, blocks in zip(held, per_rank, strict=True):
+        own = _level(
+            blocks, [1] * len(stages), [most[s] for s in stages], [extra[s] for s in stages]
+        )
         for s, c in zip(stages, own, strict=True):
             counts[s] = c
     return counts
 
 
-def _fill(level: int, lows: list[int], highs: list[int], offsets: list[int]) -> list[int]:
-    """Each part raised to `level` (its offset included), within its bounds."""
-    return [min(hi, max(lo, level - o)) for lo, hi, o in zip(lows, highs, offsets)]
-
-
-def _lowest_level(total: int, lows: list[int], highs: list[int], offsets: list[int]) -> int:
-    """The smallest level (water-filling) whose fill holds `total`: parts lows[i] <= a[i] <=
-    highs[i] with every a[i] + offsets[i] at most that level, except parts whose low already
-    exceeds it."""
+def _level(total: int, lows: list[int], highs: list[int], offsets: list[int]) -> list[int]:
+    """`total` blocks in parts lows[i] <= a[i] <= highs[i] whose costs a[i] + offsets[i] are as
+    even as they can be (water-filling): the largest cost is the smallest possible, and the
+    parts at that cost beyond what `total` needs give a block back from the last one down."""
     if not sum(lows) <= total <= sum(highs):
         raise ValueError(f"{total} blocks cannot fill parts of {lows} to {highs} blocks")
+
+    def fill(level: int) -> list[int]:
+        return [min(hi, max(lo, level - o)) for lo, hi, o in zip(lows, highs, offsets)]
+
     low = min(lo + o for lo, o in zip(lows, offsets))
     high = max(hi + o for hi, o in zip(highs, offsets))
-    while low < high:
+    while low < high:  # the lowest level whose fill holds `total`
         mid = (low + high) // 2
-        if sum(_fill(mid, lows, highs, offsets)) >= total:
+        if sum(fill(mid)) >= total:
             high = mid
         else:
             low = mid + 1
-    return low
-
-
-def _even(total: int, lows: list[int], highs: list[int]) -> list[int]:
-    """`total` in parts lows[i] <= a[i] <= highs[i] as even as they go: the largest part the
-    smallest possible, the parts at that size beyond what `total` needs giving one back from
-    the last down (so the earlier parts keep the extra ones)."""
-    zeros = [0] * len(lows)
-    level = _lowest_level(total, lows, highs, zeros)
-    parts = _fill(level, lows, highs, zeros)
+    parts = fill(low)
     surplus = sum(parts) - total
     for i in reversed(range(len(parts))):
-        if surplus and parts[i] == level and parts[i] > lows[i]:
+        if surplus and parts[i] > lows[i] and parts[i] + offsets[i] == low:
             parts[i] -= 1
             surplus -= 1
     return parts

@@ -98,8 +98,9 @@ SOURCES_CHECKED: dict[str, tuple[str, str]] = {
         f"{MEGASCALE_PAPER} Tables 1-2 as transcribed, with iteration times and throughputs, "
         "in a public reading note (found by text search; the index does not name its "
         "repository); the 12,288-GPU row (tp 8, pp 8, dp 192, batch 6144) also in "
-        "https://github.com/JaneLiCC/Notes/blob/main/eos.md, sequence 2048 and vocabulary 64K "
-        "in https://github.com/JaneLiCC/Notes/blob/main/megaScale.md",
+        "https://github.com/JaneLiCC/Notes/blob/0945a178a981f376b8d597de5cce6fb6a6ecb2a9/eos.md, "
+        "sequence 2048 and vocabulary 64K in https://github.com/JaneLiCC/Notes/blob/"
+        "2dcd408c3265b29272ad9778a5aab967550f6c6f/megaScale.md",
         "175B: 96 layers, hidden 12288, 128 heads, TP 8, PP 8; batch 768 on 256-1,024 GPUs, "
         "6,144 on 3,072-12,288; Megatron-LM MFU 53.0, 49.9, 46.7, 44.7, 48.7, 47.8, 43.3, "
         "41.2%, and 55.2/1.34 = 41.2 from the abstract; iteration times 40.0-8.57 s agree "
@@ -219,8 +220,8 @@ LLAMA2_70B = ModelShape(8192, 80, 64, 8, 32000, 28672)
 _MEGATRON_ASSUMED = "micro-batch 1 and the 1F1B schedule (not in Table 1)"
 _LLAMA3_ASSUMED = (
     "micro-batch 1 and 4 virtual stages (not in Table 4; §3.3.2's first chunk holding only the "
-    "embedding suggests one-block chunks, which 126 blocks on 128 chunks cannot give every "
-    "chunk here); FSDP sharding gradients and optimizer "
+    "embedding suggests 8 one-block chunks per rank, which a split giving every chunk a block "
+    "cannot express for 126 blocks); FSDP sharding gradients and optimizer "
     "states but not resharding parameters after forward, no recomputation (as §3.3.2 says). "
     "The memory model puts this layout over 80 GB, its activations alone over what the budget "
     "leaves them (the free-pick row gives the figures): the interleaved schedule's warm-up keeps "

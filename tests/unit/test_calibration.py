@@ -21,6 +21,7 @@ from raytrain_dt.topology.published_runs import (
     MEGASCALE,
     MEGATRON,
     PUBLISHED_RUNS,
+    SOURCES_CHECKED,
     TITAN_A100,
     TITAN_H100,
     TOLERANCE,
@@ -41,6 +42,15 @@ def test_every_source_the_issue_names_has_rows() -> None:
     assert sum(r.source == MEGATRON for r in PUBLISHED_RUNS) == 10  # the whole Table 1
     # MegaScale's Megatron-LM column: 4 GPU counts at batch 768 and 4 at batch 6144.
     assert sum(r.source == MEGASCALE for r in PUBLISHED_RUNS) == 8
+
+
+def test_every_row_says_where_its_figure_was_read() -> None:
+    # Each row names the URL (and table and row) its figure was read back from, and each
+    # source says how it was checked.
+    for row in PUBLISHED_RUNS:
+        assert row.ref.startswith("https://"), row.label
+    assert set(SOURCES_CHECKED) == {r.source for r in PUBLISHED_RUNS}
+    assert all("https://" in where for where, _ in SOURCES_CHECKED.values())
 
 
 def test_published_step_time_follows_the_sources_formula() -> None:

@@ -85,17 +85,18 @@ def test_every_split_is_cost_balanced_per_stage_and_per_rank(end) -> None:
         ("llama-405b", 16, 1, [7] + [8] * 14 + [7]),
         # Interleaved: 64 stages of 2 blocks, the end ones give a block to the embedding/head.
         ("llama-405b", 16, 4, [1] + [2] * 62 + [1]),
-        # 80 blocks on 5 ranks x 4 stages (82 blocks' worth of cost): 4 each, the embedding
-        # and the head making the end stages cost 5; not 4, 5 x 14, 2, 1 x 4, nor a 5 and a 3.
-        ("llama-70b", 5, 4, [4] * 20),
-        # 80 blocks on 32 stages: 2 or 3 each; the head's stage costs 3 with 2.
-        ("llama-70b", 8, 4, [2] + [3] * 16 + [2] * 15),
-        # 40 blocks on 32 stages: the 8 two-block chunks one per rank, the end ranks' going to
-        # the stage without the embedding or the head.
-        ("llama-13b", 8, 4, [1] + [2] * 8 + [1] * 23),
+        # 80 blocks on 5 ranks x 4 stages, 82 blocks' worth of cost: every stage costs 4 or 5
+        # and every rank 16 or 17, the dearer ones the earliest; no tail of 1s (not the
+        # 4, 5 x 14, 2, 1 x 4 that filling stages to 5 in order gives).
+        ("llama-70b", 5, 4, [4, 5] + [4] * 17 + [3]),
+        # 80 blocks on 8 ranks x 4 stages: 2 or 3 each, ranks 10 or 11.
+        ("llama-70b", 8, 4, [2] + [3] * 17 + [2] * 13 + [1]),
+        # 40 blocks on 8 ranks x 4 stages (42 blocks' worth, ranks 5 or 6): eight 2-block
+        # chunks, none on the stages that also carry the embedding or the head.
+        ("llama-13b", 8, 4, [1] + [2] * 6 + [1] + [2] * 2 + [1] * 22),
         ("llama-405b", 8, 2, [7] + [8] * 14 + [7]),
-        # 126 blocks on 3 stages: 42 each (43 with the embedding or the head), not 42, 43, 41.
-        ("llama-405b", 3, 1, [42, 42, 42]),
+        # 128 blocks' worth on 3 stages: 43, 43, 42 (torchtitan's split: the earliest dearer).
+        ("llama-405b", 3, 1, [42, 43, 41]),
     ],
 )
 def test_interleaved_splits_of_the_big_presets(preset, pp, v, expected) -> None:
@@ -151,8 +152,10 @@ def test_no_split_has_a_cheaper_dearest_stage_or_busiest_rank(end) -> None:
 
 @pytest.mark.parametrize("preset", ["llama-7b", "llama-13b", "llama-70b", "llama-405b"])
 def test_interleaved_chunks_differ_only_by_what_the_ends_force(preset) -> None:
-    # Every degree the planner tries: one split summing to the layer count, no empty chunk, the
-    # middle chunks within a block of each other and the end ones at most `end_cost` smaller.
+    # Every degree the planner tries, with and without interleaving: the chunks sum to the
+    # layer count, none is empty, the middle ones are within a block of each other, the end
+    # ones (carrying the embedding or the head) at most a block plus `end_cost` smaller, and
+    # every stage's cost within a block of every other's.
     shape = PRESETS[preset]
     end = end_cost(shape)
     assert end <= 1
@@ -166,8 +169,10 @@ def test_interleaved_chunks_differ_only_by_what_the_ends_force(preset) -> None:
             assert min(counts) >= 1, where
             middle = counts[1:-1] or counts
             assert max(middle) - min(middle) <= 1, where
-            assert min(middle) - end <= min(counts[0], counts[-1]), where
-            assert max(counts[0], counts[-1]) <= max(middle), where
+            assert max(middle) - min(counts) <= 1 + end, where
+            assert max(counts) == max(middle), where
+            costs = _stage_costs(counts, end)
+            assert max(costs) - min(costs) <= 1, where
 
 
 def test_interleaved_split_model_puts_the_embedding_and_head_on_the_end_stages() -> None:
