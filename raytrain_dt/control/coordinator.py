@@ -37,7 +37,7 @@ from raytrain_dt.control.cluster import (
     connect,
     simulated_node_args,
 )
-from raytrain_dt.control.comm_env import run_comm_env, storage_runtime_env, with_comm_env
+from raytrain_dt.control.comm_env import rank_runtime_env
 from raytrain_dt.control.copy_holders import CopyHolders, live_actors
 from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.deciding import Decider
@@ -154,9 +154,7 @@ class Coordinator:
                 str(self.run_dir),
                 handle.accelerator_resource,
                 self.cfg.cluster.cpus_per_rank,
-                runtime_env=with_comm_env(
-                    storage_runtime_env(), run_comm_env(self.cfg, handle.mode, self.run_dir)
-                ),
+                runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
             ),
             self.simulated_cluster or handle.simulated,
         )
