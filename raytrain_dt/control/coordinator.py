@@ -20,8 +20,6 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
-from tqdm import tqdm
-
 from raytrain_dt.checkpoint.initial import check_matches
 from raytrain_dt.checkpoint.record import check_resume_fits
 from raytrain_dt.checkpoint.store import CheckpointRef, CheckpointStore
@@ -81,6 +79,7 @@ from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.observe.progress import progress_display
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +164,7 @@ class Coordinator:
                 while not self.state.terminal:
                     self.advance()
         finally:
-            self.bar.close()
+            self.progress.close()
             self.group.shutdown()
             self.recorder.close()
         if isinstance(self.state, Failed):
@@ -212,13 +211,7 @@ class Coordinator:
             self.run_dir, resumed_step, default_sinks(self.cfg, self.run_dir, resumed_step)
         )
         self.deadlines = Deadlines.from_config(self.cfg)
-        self.bar = tqdm(
-            total=self.cfg.trainer.steps,
-            desc="train",
-            unit="step",
-            disable=not self.show_progress,
-            dynamic_ncols=True,
-        )
+        self.progress = progress_display(self.cfg.trainer.steps, self.show_progress)
         self.capacity = Capacity(self.cfg, resource, cluster, group, self.run_state, self.recorder)
         self.formation = Formation(
             self.cfg,
@@ -235,7 +228,13 @@ class Coordinator:
             self.copies,
         )
         self.watch = GroupWatch(
-            self.run_state, group, self.recorder, self.deadlines, self.chaos, self.bar, self._notice
+            self.run_state,
+            group,
+            self.recorder,
+            self.deadlines,
+            self.chaos,
+            self.progress,
+            self._notice,
         )
         self.watch.copies = self.copies
         self.recovery = Recovery(
@@ -394,7 +393,7 @@ class Coordinator:
             log.error("%s", exc.reason)
             return Failed(exc.reason)
         self.watch.tracker = self.formation.record(self.run_state, state, formed, old, started)
-        self.bar.n = formed.resume_step
+        self.progress.reset(formed.resume_step)
         # After the formation's event: no step may precede its record.
         run.group_left = False
         try:
