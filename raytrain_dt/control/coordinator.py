@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
@@ -158,15 +159,18 @@ class Coordinator:
             self.simulated_cluster or handle.simulated,
         )
         self.recorder.event("connected", mode=handle.mode, ray_start_s=self.ray_start_s)
+        return self.drive()
+
+    def drive(self) -> RunResult:
+        """Run the begun state machine to its end; whatever the end, `_end` then takes back
+        what the run holds on the cluster."""
         try:
             # Installed only now: `ray.init` replaces any SIGTERM handler set before it.
             with sigterm_stops(self.request_stop, lambda: self.stop_reason):
                 while not self.state.terminal:
                     self.advance()
         finally:
-            self.progress.close()
-            self.group.shutdown()
-            self.recorder.close()
+            self._end()
         if isinstance(self.state, Failed):
             raise TrainingFailed(self.state.reason)
         committed = self.store.committed()
@@ -179,6 +183,20 @@ class Coordinator:
             self.run_state.timings,
             stopped=isinstance(self.state, Stopped),
         )
+
+    def _end(self) -> None:
+        """The one place a run lets go of the cluster, at every end: finished, failed, stopped
+        (SIGTERM), Ctrl-C or an error. The autoscaler request is withdrawn (first: its event
+        is then the run's last, so the actors' shutdown does not count in the run's wall time),
+        the actors go, and closing the recorder removes the run's status record from Ray's KV
+        store. A killed driver cannot do this: resuming its run.dir asks again and lets go at
+        its own end. Each step runs even if one before it raises (ExitStack runs every
+        callback)."""
+        with ExitStack() as ends:  # callbacks run last-registered first
+            ends.callback(self.recorder.close)
+            ends.callback(self.group.shutdown)
+            ends.callback(self.capacity.withdraw)
+            ends.callback(self.progress.close)
 
     def request_stop(self, reason: str) -> None:
         """Stop at the next step boundary with a checkpoint (safe from a signal handler: it
