@@ -73,7 +73,7 @@ def _report(args: argparse.Namespace) -> int:
 def _status(args: argparse.Namespace) -> int:
     from raytrain_dt.observe.status import show_status
 
-    return show_status(args.address, args.run_dir)
+    return show_status(args.address, args.run_dir, args.all)
 
 
 def _prepare_data(args: argparse.Namespace) -> int:
@@ -142,7 +142,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_report)
 
     p = sub.add_parser("status", help="state, layout, step, tokens/s of runs on a live cluster")
-    p.add_argument("run_dir", metavar="RUN_DIR", nargs="?", help="a run directory or run name")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "run_dir",
+        metavar="RUN_DIR",
+        nargs="?",
+        help="a run directory or run name (default: the most recently updated live run)",
+    )
+    which.add_argument("--all", action="store_true", help="every live run on the cluster")
     p.add_argument("--address", help="Ray cluster (default: RAY_ADDRESS, else the local one)")
     p.set_defaults(func=_status)
     return parser

@@ -7,6 +7,7 @@ enforces ranges and cross-field rules. Nothing else in the code base defines a d
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +195,11 @@ class ClusterConfig:
     # Host memory of one node, GB, that the planner fits offloaded states, async checkpoint
     # staging buffers and the rank processes into. Null: Ray's `memory` of the smallest node.
     host_memory_gb: float | None = None
+    # Names of driver environment variables the rank actors get with the driver's values (e.g.
+    # [AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY] where nodes have no instance role). Nothing
+    # else of the driver's environment is passed on: Ray keeps an actor's environment in the GCS
+    # and shows it in the dashboard. comm.env sets values of its own.
+    forward_env: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -409,6 +415,10 @@ _NON_NEGATIVE = (
 )
 
 
+# What a process environment variable may be called (the POSIX portable set).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
 def _get(cfg: TrainConfig, dotted: str) -> Any:
     section, key = dotted.split(".")
     return getattr(getattr(cfg, section), key)
@@ -492,4 +502,12 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
     if cfg.data.seq_len < 2:
         raise ConfigError(f"data.seq_len: must be >= 2, got {cfg.data.seq_len}")
+    for name in cfg.cluster.forward_env:
+        if not ENV_NAME.fullmatch(name):
+            raise ConfigError(
+                f"cluster.forward_env: {name!r} is not a valid environment variable name"
+            )
+    for name in cfg.comm.env:
+        if not ENV_NAME.fullmatch(name):
+            raise ConfigError(f"comm.env.{name}: not a valid environment variable name")
     return cfg

@@ -4,6 +4,7 @@ the cluster's accelerators the policy may plan for (only those whose actors have
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from dataclasses import dataclass, replace
 
@@ -14,6 +15,8 @@ from raytrain_dt.control.policies import capacity_request
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.topology.nodes import NodeInfo
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,17 +30,40 @@ class Capacity:
 
     def request(self, nodes: tuple[NodeInfo, ...]) -> None:
         """Ask the autoscaler for what the run can use (only when that changes)."""
-        bundles = capacity_request(
+        bundles = self._bundles(nodes)
+        if bundles != self.run.capacity_requested:
+            self._ask(bundles)
+
+    def withdraw(self) -> None:
+        """Take the request back at the run's end: Ray keeps a request in force until the next
+        one, so nodes would stay requested (and paid for) after the run. Also when this driver
+        has not asked yet: a run that asks at all may resume a killed driver, whose request
+        still stands. A run that never asks leaves the autoscaler alone."""
+        if not (self.run.capacity_requested or self._bundles(())):
+            return
+        try:
+            self._ask([])
+        except Exception as exc:  # the run's own outcome (a failure, Ctrl-C) must stand
+            log.warning(
+                "could not withdraw the autoscaler request (%s: %s): nodes stay requested until "
+                "request_resources(bundles=[]) is called on the cluster",
+                type(exc).__name__,
+                exc,
+            )
+
+    def _bundles(self, nodes: tuple[NodeInfo, ...]) -> list[dict]:
+        return capacity_request(
             self.cfg.elastic,
             self.resource,
             nodes,
             self.cfg.cluster.accelerators_per_node,
             self.cfg.cluster.num_ranks,
         )
-        if bundles != self.run.capacity_requested:
-            self.run.capacity_requested = bundles
-            self.cluster.request_capacity(bundles)
-            self.recorder.event("capacity_request", bundles=bundles)
+
+    def _ask(self, bundles: list[dict]) -> None:
+        self.run.capacity_requested = bundles
+        self.cluster.request_capacity(bundles)
+        self.recorder.event("capacity_request", bundles=bundles)
 
     def warm(
         self, nodes: tuple[NodeInfo, ...], draining: frozenset[str], waiting: bool

@@ -1,9 +1,11 @@
-"""The NCCL/Gloo environment of the rank actors: one function per run, overridable from config.
+"""The rank actors' environment: the NCCL/Gloo settings of a run (overridable from config) and
+the driver variables `cluster.forward_env` names, nothing else of the driver's.
 
 Computed on the driver and handed to the actors through their Ray `runtime_env` (env_vars),
 because NCCL and torch read these variables when a process creates its first communicator,
 so they must be in place before the actor's process group exists. The reason for every
-setting is in docs/communication.md.
+setting is in docs/communication.md. Ray keeps a runtime_env in the GCS and shows it in the
+dashboard, so a driver variable (a credential) reaches it only when the config names it.
 
 Actors outlive layouts (a resize rebuilds only the process group), so the environment is
 decided per run, not per layout: a run that may span nodes gets the multi-node settings even
@@ -13,14 +15,14 @@ to the node and are set in cluster.yaml, not here.
 
 from __future__ import annotations
 
+import logging
 import os
-import re
+from collections.abc import Mapping
 from pathlib import Path
 
 from raytrain_dt.config.schema import CommConfig, TrainConfig
-from raytrain_dt.errors import ConfigError
 
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+log = logging.getLogger(__name__)
 
 # torch's ProcessGroupNCCL: 2 (CleanUpOnly) = on a failed or timed-out collective, abort the
 # communicators and raise in the rank; the process lives. A survivor whose peer died thus
@@ -61,10 +63,8 @@ def comm_env(comm: CommConfig, multi_node: bool, log_dir: str | Path | None = No
         if value is not None:
             env[name] = str(value)
     env.update(_multi_node_env(comm) if multi_node else _single_node_env(comm))
-    for name, value in comm.env.items():
-        if not _ENV_NAME.fullmatch(name):
-            raise ConfigError(f"comm.env.{name}: not a valid environment variable name")
-        env[name] = str(value)
+    # Names were checked when the config was loaded (config/schema.py `validate`).
+    env.update((name, str(value)) for name, value in comm.env.items())
     return env
 
 
@@ -96,18 +96,26 @@ def _multi_node_env(comm: CommConfig) -> dict:
     return env
 
 
-def with_comm_env(runtime_env: dict | None, env: dict) -> dict:
-    """`runtime_env` with `env` added to its env_vars (env wins over keys already there)."""
-    merged = dict(runtime_env or {})
-    merged["env_vars"] = {**merged.get("env_vars", {}), **env}
-    return merged
+def rank_runtime_env(
+    cfg: TrainConfig,
+    cluster_mode: str,
+    run_dir: str | Path,
+    environ: Mapping[str, str] | None = None,
+) -> dict:
+    """The rank actors' `runtime_env`: the driver variables `cluster.forward_env` names, then
+    this run's communication settings (which win, as `comm.env` wins over everything)."""
+    env = forwarded_env(cfg.cluster.forward_env, os.environ if environ is None else environ)
+    env.update(run_comm_env(cfg, cluster_mode, run_dir))
+    return {"env_vars": env}
 
 
-def storage_runtime_env() -> dict | None:
-    """The driver's AWS_* settings (credentials, region, AWS_ENDPOINT_URL) for the rank actors.
-
-    Actors run in worker processes of raylets that may have started before this driver set
-    them, so without this they would not see the storage the checkpoints go to.
-    """
-    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
-    return {"env_vars": env} if env else None
+def forwarded_env(names: list[str], environ: Mapping[str, str]) -> dict:
+    """The values `environ` has for `names` (`cluster.forward_env`); a name it lacks is left
+    out with a warning, since the setting then has no effect."""
+    missing = [name for name in names if name not in environ]
+    if missing:
+        log.warning(
+            "cluster.forward_env: %s not set in the driver's environment; not forwarded",
+            ", ".join(missing),
+        )
+    return {name: environ[name] for name in names if name in environ}

@@ -17,10 +17,9 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-
-from tqdm import tqdm
 
 from raytrain_dt.checkpoint.initial import check_matches
 from raytrain_dt.checkpoint.record import check_resume_fits
@@ -37,7 +36,7 @@ from raytrain_dt.control.cluster import (
     connect,
     simulated_node_args,
 )
-from raytrain_dt.control.comm_env import run_comm_env, storage_runtime_env, with_comm_env
+from raytrain_dt.control.comm_env import rank_runtime_env
 from raytrain_dt.control.copy_holders import CopyHolders, live_actors
 from raytrain_dt.control.deadlines import Deadlines
 from raytrain_dt.control.deciding import Decider
@@ -81,6 +80,7 @@ from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.observe.progress import progress_display
 
 log = logging.getLogger(__name__)
 
@@ -154,22 +154,23 @@ class Coordinator:
                 str(self.run_dir),
                 handle.accelerator_resource,
                 self.cfg.cluster.cpus_per_rank,
-                runtime_env=with_comm_env(
-                    storage_runtime_env(), run_comm_env(self.cfg, handle.mode, self.run_dir)
-                ),
+                runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
             ),
             self.simulated_cluster or handle.simulated,
         )
         self.recorder.event("connected", mode=handle.mode, ray_start_s=self.ray_start_s)
+        return self.drive()
+
+    def drive(self) -> RunResult:
+        """Run the begun state machine to its end; whatever the end, `_end` then takes back
+        what the run holds on the cluster."""
         try:
             # Installed only now: `ray.init` replaces any SIGTERM handler set before it.
             with sigterm_stops(self.request_stop, lambda: self.stop_reason):
                 while not self.state.terminal:
                     self.advance()
         finally:
-            self.bar.close()
-            self.group.shutdown()
-            self.recorder.close()
+            self._end()
         if isinstance(self.state, Failed):
             raise TrainingFailed(self.state.reason)
         committed = self.store.committed()
@@ -182,6 +183,20 @@ class Coordinator:
             self.run_state.timings,
             stopped=isinstance(self.state, Stopped),
         )
+
+    def _end(self) -> None:
+        """The one place a run lets go of the cluster, at every end: finished, failed, stopped
+        (SIGTERM), Ctrl-C or an error. The autoscaler request is withdrawn (first: its event
+        is then the run's last, so the actors' shutdown does not count in the run's wall time),
+        the actors go, and closing the recorder removes the run's status record from Ray's KV
+        store. A killed driver cannot do this: resuming its run.dir asks again and lets go at
+        its own end. Each step runs even if one before it raises (ExitStack runs every
+        callback)."""
+        with ExitStack() as ends:  # callbacks run last-registered first
+            ends.callback(self.recorder.close)
+            ends.callback(self.group.shutdown)
+            ends.callback(self.capacity.withdraw)
+            ends.callback(self.progress.close)
 
     def request_stop(self, reason: str) -> None:
         """Stop at the next step boundary with a checkpoint (safe from a signal handler: it
@@ -214,13 +229,7 @@ class Coordinator:
             self.run_dir, resumed_step, default_sinks(self.cfg, self.run_dir, resumed_step)
         )
         self.deadlines = Deadlines.from_config(self.cfg)
-        self.bar = tqdm(
-            total=self.cfg.trainer.steps,
-            desc="train",
-            unit="step",
-            disable=not self.show_progress,
-            dynamic_ncols=True,
-        )
+        self.progress = progress_display(self.cfg.trainer.steps, self.show_progress)
         self.capacity = Capacity(self.cfg, resource, cluster, group, self.run_state, self.recorder)
         self.formation = Formation(
             self.cfg,
@@ -237,7 +246,13 @@ class Coordinator:
             self.copies,
         )
         self.watch = GroupWatch(
-            self.run_state, group, self.recorder, self.deadlines, self.chaos, self.bar, self._notice
+            self.run_state,
+            group,
+            self.recorder,
+            self.deadlines,
+            self.chaos,
+            self.progress,
+            self._notice,
         )
         self.watch.copies = self.copies
         self.recovery = Recovery(
@@ -405,7 +420,7 @@ class Coordinator:
             log.error("%s", exc.reason)
             return Failed(exc.reason)
         self.watch.tracker = self.formation.record(self.run_state, state, formed, old, started)
-        self.bar.n = formed.resume_step
+        self.progress.reset(formed.resume_step)
         # After the formation's event: no step may precede its record.
         run.group_left = False
         try:

@@ -11,8 +11,6 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tqdm import tqdm
-
 from raytrain_dt.control.checkpoint_tracker import CheckpointTracker
 from raytrain_dt.control.copy_holders import CopyHolders
 from raytrain_dt.control.deadlines import Deadlines
@@ -22,6 +20,7 @@ from raytrain_dt.control.recovery import POLL_INTERVAL_S, Recovery, broken_statu
 from raytrain_dt.control.run_state import RunState
 from raytrain_dt.control.states import Deciding, Finished, Running, State
 from raytrain_dt.observe.metrics import RunRecorder
+from raytrain_dt.observe.progress import Progress
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.worker.reports import MemoryCopyReport, RankStatus, StepReport, StoppedReport
 
@@ -38,7 +37,7 @@ class GroupWatch:
     recorder: RunRecorder
     deadlines: Deadlines
     chaos: Chaos
-    bar: tqdm
+    progress: Progress
     # notice(node, source, detail): a preemption notice for a node the group uses.
     notice: Callable[[str, str, str], None]
     recovery: Recovery | None = None  # set once built (it takes this watch's reports)
@@ -76,11 +75,8 @@ class GroupWatch:
     def _on_step(self, report: StepReport, layout: Layout) -> None:
         run = self.run
         self.recorder.step_metrics(report.as_record(), layout.dims.world_size, layout.describe())
-        self.bar.update(report.step - self.bar.n)
-        self.bar.set_postfix(
-            loss=f"{report.metrics.loss:.4f}",
-            tok_s=f"{report.metrics.tokens_per_s:.0f}",
-            world=layout.dims.world_size,
+        self.progress.update(
+            report.step, report.metrics.loss, report.metrics.tokens_per_s, layout.dims.world_size
         )
         run.step, run.last_progress = report.step, time.time()
         self.deadlines.step_finished(report.finished_at)

@@ -1,10 +1,15 @@
-"""Live status of running jobs, through the cluster: `raytrain-dt status [--address A] [RUN]`.
+"""Live status of running jobs, through the cluster: `raytrain-dt status [--address A]
+[RUN | --all]`.
 
 The coordinator's `StatusPublisher` (a sink of the run recorder) keeps one small JSON record per
 run in Ray's internal key-value store (the GCS), keyed by the run directory: state, step,
 layout, world size, loss, tokens/s, MFU and the last event. It writes on every event and at
-most once a second for steps, so it costs the run nothing measurable. `status` joins the
-cluster as a short-lived driver, reads the records and prints them.
+most once a second for steps, so it costs the run nothing measurable. The record lives as long
+as the run: the coordinator's end (finished, failed, stopped or interrupted) closes the
+recorder, which removes it, so the store holds only live runs. A killed driver cannot remove
+its record; it stays, flagged as not updated, until a driver resumes that run.dir (same key)
+and removes it at its own end. `status` joins the cluster as a short-lived driver, reads the
+records and prints them.
 """
 
 from __future__ import annotations
@@ -81,13 +86,17 @@ class StatusPublisher:
         self.status["step"] = step
 
     def close(self) -> None:
-        self._publish()
+        """The run has ended: its record goes (what it ended with is in run.dir)."""
+        _kv()._internal_kv_del(self.key, namespace=NAMESPACE)
 
 
 def read_statuses(run: str | None = None) -> list[dict]:
-    """Status records on the connected cluster; `run` selects by run directory or name."""
+    """Live runs' status records on the connected cluster, newest first; `run` selects by run
+    directory or name."""
     keys = _kv()._internal_kv_list(KEY_PREFIX, namespace=NAMESPACE)
-    records = [json.loads(_kv()._internal_kv_get(k, namespace=NAMESPACE)) for k in keys]
+    values = [_kv()._internal_kv_get(k, namespace=NAMESPACE) for k in keys]
+    # A run that ended between the listing and the read has no value any more.
+    records = [json.loads(v) for v in values if v is not None]
     if run is not None:
         wanted = str(Path(run).resolve())
         records = [r for r in records if r["dir"] == wanted or r["run"] == run]
@@ -113,6 +122,7 @@ def format_status(r: dict) -> str:
     age = time.time() - r["updated"]
     stale = ""
     if r["state"] not in ("finished", "failed") and age > 30:
+        # An ended run removes its record; one left behind is a killed driver's.
         stale = f"  (no update for {age:.0f}s: is the driver still running?)"
     mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "-"
     tok_s = f"{r['tokens_per_s']:.0f}" if r.get("tokens_per_s") is not None else "-"
@@ -129,8 +139,9 @@ def format_status(r: dict) -> str:
     return "\n".join(f"{name:>10}  {value}" for name, value in rows)
 
 
-def show_status(address: str | None, run: str | None) -> int:
-    """The `status` command: join the cluster, print every matching run's status."""
+def show_status(address: str | None, run: str | None, every: bool = False) -> int:
+    """The `status` command: join the cluster and print `run`'s status, every live run's
+    (`every`, `--all`), or with neither the most recently updated live run's."""
     import ray
 
     from raytrain_dt.errors import UserError
@@ -153,8 +164,18 @@ def show_status(address: str | None, run: str | None) -> int:
     finally:
         if joined:
             ray.shutdown()
+    if every and not records:
+        print("no live raytrain_dt runs on this cluster")
+        return 0
     if not records:
-        where = f" for {run}" if run else ""
-        raise UserError(f"no raytrain_dt run has published a status{where} on this cluster")
-    print("\n\n".join(format_status(r) for r in records))
+        if run:
+            raise UserError(
+                f"RUN: no live raytrain_dt run {run} on this cluster (a run's status goes when it "
+                f"ends: `raytrain-dt report RUN_DIR` summarizes an ended one)"
+            )
+        raise UserError("no live raytrain_dt run on this cluster")
+    shown = records if every or run else records[:1]
+    print("\n\n".join(format_status(r) for r in shown))
+    if len(records) > len(shown):
+        print(f"\n({len(records) - len(shown)} more live runs: raytrain-dt status --all)")
     return 0

@@ -257,3 +257,22 @@ class FakeRankGroup:
             (step_dir / shard).write_bytes(b"x" * (rank + 1))
             written.add_bytes(shard, b"x" * (rank + 1))
             reports[rank].append(SavedReport(self.step, rank, str(step_dir), written.manifest()))
+
+
+class FakeKV:
+    """Ray's internal KV store (the GCS), as `observe/status.py` calls it."""
+
+    def __init__(self):
+        self.data: dict[tuple[str, str], str] = {}
+
+    def _internal_kv_put(self, key, value, overwrite=True, namespace=None):
+        self.data[(namespace, key)] = value
+
+    def _internal_kv_get(self, key, namespace=None):
+        return self.data.get((namespace, key))
+
+    def _internal_kv_del(self, key, namespace=None):
+        self.data.pop((namespace, key), None)
+
+    def _internal_kv_list(self, prefix, namespace=None):
+        return [k for ns, k in self.data if ns == namespace and k.startswith(prefix)]

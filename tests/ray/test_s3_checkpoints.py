@@ -2,7 +2,8 @@
 
 The server is configured only through the standard AWS environment variables (credentials,
 region, AWS_ENDPOINT_URL), which botocore reads itself and the coordinator passes on to the
-rank actors: nothing in the package knows it is talking to a fake.
+rank actors because the run names them in `cluster.forward_env`, as a user without an instance
+role does: nothing in the package knows it is talking to a fake.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from raytrain_dt.observe.metrics import read_jsonl
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 BUCKET = "rtdt-ckpt"
+# The variables the fixture sets; the ranks get only what the run names.
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
 
 
 def _free_port() -> int:
@@ -39,12 +42,7 @@ def s3_endpoint():
     port = _free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-    }
+    env = dict(zip(S3_ENV, ("testing", "testing", "us-east-1", f"http://127.0.0.1:{port}")))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     # An S3 filesystem an earlier test of this process made (tests/unit/test_doctor_checks.py
@@ -82,6 +80,7 @@ def test_s3_save_commit_skip_damaged_and_resume_exactly(s3_endpoint, make_config
         "checkpoint.every_steps=4",
         "engine.zero_stage=3",
         f"checkpoint.dir={root}",
+        f"cluster.forward_env=[{','.join(S3_ENV)}]",
     )
     with file_reads_below(root) as reads:
         train(make_config(*overrides, run_dir=run_dir), show_progress=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from raytrain_dt.config import load_config
-from raytrain_dt.control.comm_env import comm_env, run_comm_env, spans_nodes, with_comm_env
+from raytrain_dt.control.comm_env import comm_env, rank_runtime_env, run_comm_env, spans_nodes
 from raytrain_dt.errors import ConfigError
 
 RECIPE = "conf/test.yaml"
@@ -98,12 +98,58 @@ def test_bad_env_name_names_the_key():
         comm_env(_comm("comm.env.1BAD=x"), multi_node=False)
 
 
-def test_comm_env_merges_into_the_storage_runtime_env():
-    merged = with_comm_env(
-        {"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "INFO"}}, {"NCCL_DEBUG": "WARN"}
+DRIVER_ENV = {
+    "AWS_ACCESS_KEY_ID": "AKIDEXAMPLE",
+    "AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG",
+    "AWS_SESSION_TOKEN": "token",
+    "AWS_REGION": "eu-west-1",
+    "HOME": "/home/ray",
+    "NCCL_DEBUG": "INFO",
+}
+
+
+def test_no_driver_variable_reaches_the_actors_unless_named(tmp_path):
+    """Ray keeps the runtime_env in the GCS and shows it in the dashboard: a driver's
+    credentials must never be copied there by default."""
+    cfg = load_config(RECIPE, [])
+    env_vars = rank_runtime_env(cfg, "joined", tmp_path, DRIVER_ENV)["env_vars"]
+    assert env_vars == run_comm_env(cfg, "joined", tmp_path)
+    assert not {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "HOME"} & set(env_vars)
+
+
+def test_named_variables_are_forwarded_and_comm_settings_win(tmp_path, caplog):
+    cfg = load_config(
+        RECIPE,
+        [
+            "cluster.forward_env=[AWS_REGION,AWS_SECRET_ACCESS_KEY,NCCL_DEBUG,AWS_PROFILE]",
+            "comm.env.AWS_REGION=us-east-2",
+        ],
     )
-    assert merged == {"env_vars": {"AWS_REGION": "eu-west-1", "NCCL_DEBUG": "WARN"}}
-    assert with_comm_env(None, {"A": "1"}) == {"env_vars": {"A": "1"}}
+    env_vars = rank_runtime_env(cfg, "joined", tmp_path, DRIVER_ENV)["env_vars"]
+    assert env_vars["AWS_SECRET_ACCESS_KEY"] == DRIVER_ENV["AWS_SECRET_ACCESS_KEY"]
+    assert env_vars["AWS_REGION"] == "us-east-2"  # comm.env wins over the driver's value
+    assert env_vars["NCCL_DEBUG"] == "WARN"  # the run's comm setting wins too
+    assert "AWS_ACCESS_KEY_ID" not in env_vars and "AWS_SESSION_TOKEN" not in env_vars
+    # A listed name the driver lacks is not forwarded, and says so.
+    assert "AWS_PROFILE" not in env_vars
+    assert "cluster.forward_env: AWS_PROFILE not set in the driver's environment" in caplog.text
+
+
+@pytest.mark.parametrize("entries", ["[1BAD]", "[AWS_REGION,'AWS-KEY']", "['']", "['A B']"])
+def test_a_forward_env_entry_that_is_not_a_name_names_the_key(entries):
+    with pytest.raises(ConfigError, match=r"^cluster\.forward_env: .* is not a valid environment"):
+        load_config(RECIPE, [f"cluster.forward_env={entries}"])
+
+
+def test_the_cli_refuses_a_bad_forward_env_in_one_line_with_exit_2(capsys, tmp_path):
+    from raytrain_dt.cli import main
+
+    code = main(["train", RECIPE, "cluster.forward_env=[AWS-KEY]", f"run.dir={tmp_path}/r"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "error: cluster.forward_env: 'AWS-KEY' is not a valid environment variable name"
+    ]
+    assert not (tmp_path / "r").exists()
 
 
 def test_every_group_a_rank_creates_gets_the_collective_timeout(tmp_path, monkeypatch):
