@@ -168,8 +168,11 @@ def _join_worker(
             {
                 r"--address=\$RAY_HEAD_IP:6379": f"--address=$RAY_HEAD_IP:{port}",
                 r"--object-manager-port=8076": f"--object-manager-port={_free_port()}",
+                # The head's temp dir: in /tmp/ray, the default, the worker would leave the
+                # address of this cluster for any other Ray client on the machine to find.
                 r"--metrics-export-port=8080": (
-                    f"--metrics-export-port={_free_port()} " + _local_flags()
+                    f"--metrics-export-port={_free_port()} "
+                    + _local_flags(f"--temp-dir={env['HOME']}/ray")
                 ),
             },
         )
