@@ -13,7 +13,8 @@ each in a fresh process, and splits the time with what the run directory records
   first step;
 - first step: rank 0's `step_time_s` of step 1;
 - other: the rest (rank specs, the start call, the coordinator's poll interval).
-Medians over repeats. Writes bench/results/startup.json. Run: python bench/bench_startup.py
+Medians over repeats. Writes bench/results/startup.json; exits 1 when a part comes out negative
+(counted twice: the split no longer adds up). Run: python bench/bench_startup.py
 """
 
 from __future__ import annotations
@@ -84,6 +85,7 @@ def main() -> int:
                 "part": part.removesuffix("_s"),
                 "median_s": round(statistics.median(values), 3),
                 "per_repeat_s": [round(v, 3) for v in values],
+                "status": "PASS" if min(values) >= 0 else "FAIL",
             }
         )
     total = statistics.median(s["total_s"] for s in samples)
@@ -93,14 +95,22 @@ def main() -> int:
         "startup",
         "Start-up: command to first completed step",
         "python bench/bench_startup.py",
-        "each part named and measured (no numeric target in the issue)",
+        "each part named and measured, none negative: the parts account for the whole, none "
+        "counted twice (no numeric target in the issue)",
         cases,
         notes=f"tiny preset, 2 ranks on embedded Ray, {args.repeats} repeats, fresh process each; "
         f"1-min load average at the end {common.load_average():.1f}",
     )
     medians = {c["part"]: c["median_s"] for c in cases}
     print("startup: " + ", ".join(f"{k} {v:.2f}s" for k, v in medians.items()))
-    return 0
+    # A negative part (`other` above all) means a part was counted twice, or one measured
+    # from the wrong event: the split no longer adds up.
+    negative = [c["part"] for c in cases if c["status"] == "FAIL"]
+    print(
+        f"{'FAIL' if negative else 'PASS'}: every part measured"
+        + (f"; negative: {negative}" if negative else "")
+    )
+    return 1 if negative else 0
 
 
 if __name__ == "__main__":

@@ -83,3 +83,15 @@ def test_workers_get_efa_and_the_package(config):
     mounted = next(iter(config["file_mounts"]))
     assert any(f"pip install -q -e {mounted}" in cmd for cmd in setup)
     assert ".venv" in config["rsync_exclude"]
+
+
+def test_token_auth_on_every_node_and_the_job_api_on_loopback_only(config):
+    """What tests/ray/test_cluster_auth.py runs for real; here, that the commands say it."""
+    (head_start,) = [c for c in config["head_start_ray_commands"] if "ray start" in c]
+    (worker_start,) = [c for c in config["worker_start_ray_commands"] if "ray start" in c]
+    assert any("ray get-auth-token --generate" in c for c in config["head_start_ray_commands"])
+    assert "RAY_AUTH_MODE=token ray start" in head_start
+    assert "RAY_AUTH_MODE=token RAY_AUTH_TOKEN_PATH=$HOME/ray_auth/auth_token" in worker_start
+    assert "--dashboard-host=127.0.0.1" in head_start and "0.0.0.0" not in str(config)
+    # The workers' token arrives through a file mount that the head syncs from its own copy.
+    assert "/home/ray/ray_auth" in config["file_mounts"]
