@@ -50,11 +50,11 @@ TAG = "ds"
 UNIVERSAL_TAG = "ds_universal"
 
 
-def check_layout(layout: Layout) -> None:
+def check_layout(layout: Layout, precision: str = "fp32") -> None:
     """Reject what this engine cannot run, naming the config key at fault (the same refusal
     the planner gives at plan time)."""
     d = layout.dims
-    refusal = engine_refusal("deepspeed", d.tp, d.pp, layout.zero_stage)
+    refusal = engine_refusal("deepspeed", d.tp, d.pp, layout.zero_stage, precision)
     if refusal:
         raise ConfigError(refusal)
     if d.cp > 1:
@@ -63,7 +63,8 @@ def check_layout(layout: Layout) -> None:
 
 def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> dict:
     """The DeepSpeed config for this layout. Pure: no torch.distributed, no DeepSpeed import."""
-    check_layout(layout)
+    bf16 = device.mixed_precision and device.param_dtype == torch.bfloat16
+    check_layout(layout, "bf16" if bf16 else "fp32")
     zero: dict = {
         "stage": layout.zero_stage,
         # We report the norm every step (it is also what clipping uses).
@@ -92,7 +93,7 @@ def deepspeed_config(cfg: TrainConfig, layout: Layout, device: DeviceSpec) -> di
         # (DeepSpeed defaults, pinned: a pre-division would change rounding).
         "prescale_gradients": False,
         "gradient_predivide_factor": 1.0,
-        "bf16": {"enabled": device.mixed_precision and device.param_dtype == torch.bfloat16},
+        "bf16": {"enabled": bf16},
         "fp16": {"enabled": False},
         # The client optimizer is torch AdamW; DeepSpeed would otherwise insist on its own
         # DeepSpeedCPUAdam (a JIT-built C++ op) when the optimizer is offloaded.

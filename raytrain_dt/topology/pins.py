@@ -73,7 +73,11 @@ _POSITIVE_PINS = {
 
 
 def engine_refusal(
-    engine: str, tp: int | None, pp: int | None, zero_stage: int | None
+    engine: str,
+    tp: int | None,
+    pp: int | None,
+    zero_stage: int | None,
+    precision: str = "fp32",
 ) -> str | None:
     """Why `engine` cannot run these degrees, as one line naming the config keys; None if it can.
 
@@ -82,7 +86,10 @@ def engine_refusal(
     DP group, as its own pipeline engine does). No tensor parallelism, and no ZeRO-2/3 with a
     pipeline: they would reduce or gather every stage's gradients and parameters per
     micro-batch. ZeRO-0 with a pipeline is not implemented: ZeRO-1 moves the same gradient
-    volume per step and holds less. An unpinned zero_stage (None) is the planner's to choose.
+    volume per step and holds less. ZeRO-0 in bf16 neither: DeepSpeed accumulates bf16
+    gradients in fp32 (our numerics, as FSDP2's) only in its ZeRO optimizer, and refuses
+    the mix without it (found on an H200; the CPU runs fp32). An unpinned zero_stage (None)
+    is the planner's to choose.
     """
     if engine != "deepspeed":
         return None
@@ -95,6 +102,13 @@ def engine_refusal(
         return (
             f"engine.zero_stage: {zero_stage} cannot be combined with parallel.pp={pp} under "
             "engine.name=deepspeed: pipeline parallelism runs with ZeRO-1 only"
+        )
+    if zero_stage == 0 and precision == "bf16":
+        return (
+            "engine.zero_stage: 0 is not supported with engine.name=deepspeed at "
+            "engine.precision=bf16 (DeepSpeed accumulates bf16 gradients in fp32 only in its "
+            "ZeRO optimizer); use engine.zero_stage=1, the same training with the optimizer "
+            "states sharded"
         )
     return None
 
@@ -109,7 +123,12 @@ def engine_pins(engine: str, pins: LayoutPins) -> LayoutPins:
 
 
 def validate_pins(
-    shape: ModelShape, topo: Topology, pins: LayoutPins, global_batch: int, engine: str
+    shape: ModelShape,
+    topo: Topology,
+    pins: LayoutPins,
+    global_batch: int,
+    engine: str,
+    precision: str = "fp32",
 ) -> None:
     """ConfigError naming the config key for a pin no layout could honour."""
     for attr, key in _POSITIVE_PINS.items():
@@ -181,6 +200,6 @@ def validate_pins(
     for broken, message in rules:
         if broken:
             raise ConfigError(message)
-    refusal = engine_refusal(engine, tp, pp, z)
+    refusal = engine_refusal(engine, tp, pp, z, precision)
     if refusal:
         raise ConfigError(refusal)

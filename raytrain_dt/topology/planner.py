@@ -296,7 +296,7 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
         sp = tp > 1 and pins.sequence_parallel is not False
         sched, v = (pins.pp_schedule or "1f1b", pins.virtual_stages or 1) if pp > 1 else ("1f1b", 1)
         for zero in zeros:
-            if engine_refusal(o.engine, tp, pp, zero):
+            if engine_refusal(o.engine, tp, pp, zero, o.precision):
                 continue
             offloads = [False, True] if allow_offload and zero > 0 else [False]
             if pins.offload_optimizer is not None:
@@ -304,12 +304,16 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
             splits = _dp_splits(dp, zero, tp, topo, pins)
             for (dpr, dps), offload, ac in itertools.product(splits, offloads, acs):
                 # Sharding over one rank is plain DP with extra steps; it only matters as the
-                # vehicle for offload (ZeRO-Offload on a single replica).
+                # vehicle for offload (ZeRO-Offload on a single replica), or where the engine
+                # runs no ZeRO-0 without a pipeline (DeepSpeed in bf16: its ZeRO-1 is then the
+                # plain replica).
+                no_zero0 = pp == 1 and engine_refusal(o.engine, tp, pp, 0, o.precision)
                 if (
                     dps == 1
                     and zero > 0
                     and pins.zero_stage is None
                     and not (offload and zero == 1)
+                    and not (zero == 1 and no_zero0)
                 ):
                     continue
                 dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
@@ -439,7 +443,7 @@ def plan(
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     if not 0.0 <= batch_tolerance < 1.0:
         raise ConfigError(f"trainer.batch_tolerance: must be in [0, 1), got {batch_tolerance}")
-    validate_pins(shape, topology, pins, global_batch, engine)
+    validate_pins(shape, topology, pins, global_batch, engine, precision)
     if engine == "deepspeed":
         # No tensor parallelism; pipelines only with ZeRO-1 (`engine_refusal`, in `_enumerate`).
         pins = dataclasses.replace(pins, tp=1)

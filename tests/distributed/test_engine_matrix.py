@@ -138,9 +138,16 @@ def _assert_equals_reference(result, reference) -> None:
         torch.testing.assert_close(result.params[key], value, atol=1e-5, rtol=0, msg=key)
 
 
-def test_bf16_mixed_precision_tracks_the_fp32_reference(pool, cfg, reference):
-    """FSDP2's MixedPrecisionPolicy as `select_device("bf16")` sets it (bf16 parameters in
-    forward and backward, fp32 reduction and fp32 master weights), run on CPU.
+@pytest.mark.parametrize(
+    ("engine", "layout"),
+    [("fsdp2", LAYOUTS["fsdp2-full"]), ("deepspeed", _layout(zero=1, dp_shard=2))],
+    ids=["fsdp2", "deepspeed-zero1"],
+)
+def test_bf16_mixed_precision_tracks_the_fp32_reference(pool, cfg, reference, engine, layout):
+    """bf16 as `select_device("bf16")` sets it (bf16 parameters in forward and backward, fp32
+    reduction and fp32 master weights), run on CPU: FSDP2's MixedPrecisionPolicy, and
+    DeepSpeed's bf16 ZeRO optimizer with fp32 gradient accumulation (the mix DeepSpeed
+    refuses without ZeRO, first seen on an H200, where the CPU's fp32 runs hid it).
 
     bf16's unit roundoff is 2^-9 (about 2e-3): no logit, and so no mean loss, can be off by
     more relative to fp32 without the bf16 path being wrong (measured: up to 2.2e-4 over the
@@ -152,7 +159,8 @@ def test_bf16_mixed_precision_tracks_the_fp32_reference(pool, cfg, reference):
     from raytrain_dt.models.llama import build_model
 
     ref_losses, ref_params = reference
-    result = pool.run(cfg, LAYOUTS["fsdp2-full"], STEPS, precision="bf16")
+    cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name=engine))
+    result = pool.run(cfg, layout, STEPS, precision="bf16")
     assert result.losses == pytest.approx(ref_losses, rel=2**-9)
     # Not the fp32 path in disguise: bf16 rounding shows in the losses.
     assert max(abs(a - b) for a, b in zip(result.losses, ref_losses, strict=True)) > 1e-5

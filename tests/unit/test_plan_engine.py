@@ -86,3 +86,32 @@ def test_pinned_plan_says_how_the_free_pick_differs(capsys) -> None:
     why = unpinned["versus_pinned"]
     assert why.startswith(f"free pick {unpinned['layout']} at ")
     assert "faster than the pinned layout" in why and "vs 14 (v=1): bubble" in why
+
+
+def test_deepspeed_in_bf16_never_plans_zero_0() -> None:
+    """DeepSpeed accumulates bf16 gradients in fp32 only in its ZeRO optimizer (without ZeRO it
+    raises `unsupported mix of model_dtype=torch.bfloat16 and grad_accum_dtype=torch.float32`,
+    found on an H200): in bf16 the planner gives it ZeRO-1, on one rank too, and a pinned 0 is
+    refused naming the key. fp32 (the CPU's) still plans and runs ZeRO-0."""
+    from raytrain_dt.errors import ConfigError
+    from raytrain_dt.topology.layout import Topology
+    from raytrain_dt.topology.pins import LayoutPins
+    from raytrain_dt.topology.planner import plan
+
+    small = PRESETS["small"]
+    for gpus in (1, 4):
+        topo = Topology(num_nodes=1, accelerators_per_node=gpus)
+        chosen = plan(small, topo, global_batch=8, seq_len=512, engine="deepspeed")
+        layouts = [chosen.best.layout, *(c.layout for c in chosen.alternatives)]
+        assert all(lay.zero_stage >= 1 for lay in layouts), [lay.describe() for lay in layouts]
+        fp32 = plan(small, topo, global_batch=8, seq_len=512, engine="deepspeed", precision="fp32")
+        assert fp32.best.layout.zero_stage == 0
+    with pytest.raises(ConfigError, match=r"^engine.zero_stage: 0 is not supported"):
+        plan(
+            small,
+            topo,
+            global_batch=8,
+            seq_len=512,
+            engine="deepspeed",
+            pins=LayoutPins(zero_stage=0),
+        )
