@@ -130,15 +130,31 @@ def local_accelerator_index(assigned_ids: Sequence[str], visible: str | None = N
     return int(chosen) if chosen.isdigit() else 0
 
 
-def ray_accelerator_index() -> int:
-    """`local_accelerator_index` for the calling Ray actor (0 outside Ray or without GPUs)."""
+def _ray_gpu_ids() -> list[str]:
+    """The GPU ids Ray assigned the calling actor (none outside Ray or without GPUs)."""
     try:
         import ray
 
-        ids = ray.get_runtime_context().get_accelerator_ids().get("GPU", [])
+        return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
     except Exception:  # not inside a Ray worker
-        ids = []
-    return local_accelerator_index(ids, os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return []
+
+
+def ray_accelerator_index() -> int:
+    """`local_accelerator_index` for the calling Ray actor (0 outside Ray or without GPUs)."""
+    return local_accelerator_index(_ray_gpu_ids(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
+def ray_device_kind(kind: str, assigned_gpus: Sequence[str] | None = None) -> str:
+    """`cluster.device` for a rank actor: `auto` is CUDA only where Ray gave the actor a GPU
+    (`assigned_gpus`, by default the calling actor's). A rank on a simulated accelerator
+    (`cluster.local_nodes`) or on a CPU-only node still sees a machine's GPUs, but every such
+    rank would take the same one, which NCCL refuses ("Duplicate GPU detected", seen on a
+    one-GPU H200 machine): it runs on the CPU. A kind named explicitly is kept."""
+    if kind != "auto":
+        return kind
+    gpus = _ray_gpu_ids() if assigned_gpus is None else assigned_gpus
+    return resolve_device_kind(kind) if gpus else "cpu"
 
 
 def accelerator_name(spec: DeviceSpec) -> str:

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from raytrain_dt.accel.device import ray_accelerator_index, select_device
+from raytrain_dt.accel.device import ray_accelerator_index, ray_device_kind, select_device
 
 
 def _version(package: str) -> str | None:
@@ -73,7 +73,7 @@ class CollectiveProbe:
         `iterations`), after a warm-up whose sum is checked (each rank contributes rank + 1)."""
         import datetime
 
-        device = select_device("fp32", kind, ray_accelerator_index())
+        device = select_device("fp32", ray_device_kind(kind), ray_accelerator_index())
         device.activate()
         os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
         dist.init_process_group(

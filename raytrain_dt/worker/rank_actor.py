@@ -27,6 +27,7 @@ from raytrain_dt.accel.device import (
     host_memory,
     memory_usage,
     ray_accelerator_index,
+    ray_device_kind,
     release_accelerator_memory,
     reset_host_peak,
     select_device,
@@ -199,7 +200,9 @@ class RankWorker:
         t0 = time.perf_counter()
         # The accelerator Ray assigned this actor, not one guessed from the rank.
         device = select_device(
-            spec.cfg.engine.precision, spec.cfg.cluster.device, ray_accelerator_index()
+            spec.cfg.engine.precision,
+            ray_device_kind(spec.cfg.cluster.device),
+            ray_accelerator_index(),
         )
         device.activate()
         self._device = device

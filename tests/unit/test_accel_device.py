@@ -12,6 +12,7 @@ from raytrain_dt.accel.device import (
     accelerator_name,
     local_accelerator_index,
     memory_usage,
+    ray_device_kind,
     release_accelerator_memory,
     resolve_device_kind,
     select_device,
@@ -37,6 +38,18 @@ def emu():
 )
 def test_local_index_comes_from_the_ids_ray_assigned(assigned, visible, index):
     assert local_accelerator_index(assigned, visible) == index
+
+
+def test_auto_is_the_cpu_on_a_rank_ray_gave_no_gpu(monkeypatch):
+    """Simulated accelerators on a GPU machine: every rank sees the machine's GPU, and all of
+    them taking it fails in NCCL ("Duplicate GPU detected", seen on a one-GPU H200): `auto`
+    is CUDA only for a rank Ray assigned a GPU. Named kinds are kept."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a GPU machine
+    assert ray_device_kind("auto", assigned_gpus=[]) == "cpu"
+    assert ray_device_kind("auto", assigned_gpus=["0"]) == "cuda"
+    assert ray_device_kind("cuda", assigned_gpus=[]) == "cuda"
+    assert ray_device_kind("emulated", assigned_gpus=[]) == "emulated"
+    assert ray_device_kind("auto") == "cpu"  # outside Ray: no GPU assigned
 
 
 def test_kinds_and_their_backends(emu):
