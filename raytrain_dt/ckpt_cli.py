@@ -108,7 +108,7 @@ def cmd_consolidate(args: argparse.Namespace) -> int:
     store, ref = resolve(args.path)
     problems = store.problems(ref)
     if problems:
-        raise CheckpointError(f"{ref.uri}: not consolidated: " + "; ".join(problems))
+        raise CheckpointError("; ".join(problems))  # each names the step or its file
     files = write_hf(_tensor_source(ref), args.out, _hf_format(ref), int(args.shard_gb * 1e9))
     for f in files:
         print(f"{f}  {os.path.getsize(f)} bytes")
@@ -184,7 +184,10 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
         help="read every file and check its SHA-256 against the commit record",
     )
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("consolidate", help="export to Hugging Face safetensors + config.json")
+    p = sub.add_parser(
+        "consolidate",
+        help="export any engine's checkpoint to Hugging Face safetensors + config.json",
+    )
     p.add_argument("path", help="a run directory or a checkpoint directory")
     p.add_argument("--out", required=True)
     p.add_argument("--shard-gb", type=float, default=5.0, help="split the safetensors above this")
