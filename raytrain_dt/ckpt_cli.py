@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from pathlib import Path
 
 from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.record import RNG_DIR
@@ -102,21 +103,62 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_consolidate(args: argparse.Namespace) -> int:
-    from raytrain_dt.checkpoint.export import consolidate
+    from raytrain_dt.checkpoint.export import write_hf
 
-    _, ref = resolve(args.path)
-    state = ref.train_state
-    if state.get("engine", "fsdp2") != "fsdp2":
-        raise CheckpointError(
-            f"{ref.uri}: consolidate reads DCP (fsdp2) checkpoints; convert it first"
-        )
-    shape = ModelShape(**state["model_shape"])
-    files = consolidate(
-        ref.uri, args.out, shape, state.get("seq_len", 2048), int(args.shard_gb * 1e9)
-    )
+    store, ref = resolve(args.path)
+    problems = store.problems(ref)
+    if problems:
+        raise CheckpointError("; ".join(problems))  # each names the step or its file
+    files = write_hf(_tensor_source(ref), args.out, _hf_format(ref), int(args.shard_gb * 1e9))
     for f in files:
         print(f"{f}  {os.path.getsize(f)} bytes")
     return 0
+
+
+def _tensor_source(ref: CheckpointRef):
+    """The checkpoint's full model tensors, read by its engine's format."""
+    engine = ref.train_state.get("engine", "fsdp2")
+    if engine == "fsdp2":
+        from raytrain_dt.checkpoint.export import DCPTensors
+
+        return DCPTensors(ref.uri)
+    if engine == "deepspeed":
+        from raytrain_dt.engines.deepspeed_engine import TAG
+        from raytrain_dt.engines.deepspeed_files import DeepSpeedTensors
+
+        loc = Location.parse(ref.uri)
+        if not loc.is_local:
+            # DeepSpeed's reader opens its files with torch.load on a local path.
+            raise CheckpointError(
+                f"{ref.uri}: DeepSpeed checkpoints are consolidated from a local path"
+            )
+        return DeepSpeedTensors(Path(loc.path) / TAG)
+    raise CheckpointError(f"{ref.uri}: engine {engine!r}: no reader for its files")
+
+
+def _hf_format(ref: CheckpointRef):
+    """Names and config.json: a preset's (renamed to the Hub's Llama), or a `model.hf` run's
+    own config, rebuilt from the recorded source and overrides and checked against the shape
+    the run recorded (a source directory changed since would write a config that lies)."""
+    from raytrain_dt.checkpoint.export import hf_run_format, preset_format
+    from raytrain_dt.models.hf_config import load_config, shape_of
+
+    state = ref.train_state
+    shape = ModelShape(**state["model_shape"])
+    if not state.get("model_hf"):
+        return preset_format(shape, state.get("seq_len", 2048))
+    source, overrides = state["model_hf"], state.get("model_hf_config")
+    if overrides is None:  # recorded before records held them: the run's config.yaml
+        from raytrain_dt.tools.checkpoint_convert import run_config
+
+        overrides = dict(run_config(ref, None).model.hf_config or {})
+    built = shape_of(load_config(source, overrides))
+    if built != shape:
+        raise CheckpointError(
+            f"{ref.uri}: model.hf={source} with model.hf_config={overrides} now gives shape "
+            f"{built.__dict__}, the run trained {shape.__dict__}"
+        )
+    return hf_run_format(source, overrides)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -142,7 +184,10 @@ def add_ckpt_arguments(parser: argparse.ArgumentParser) -> None:
         help="read every file and check its SHA-256 against the commit record",
     )
     p.set_defaults(func=cmd_inspect)
-    p = sub.add_parser("consolidate", help="export to Hugging Face safetensors + config.json")
+    p = sub.add_parser(
+        "consolidate",
+        help="export any engine's checkpoint to Hugging Face safetensors + config.json",
+    )
     p.add_argument("path", help="a run directory or a checkpoint directory")
     p.add_argument("--out", required=True)
     p.add_argument("--shard-gb", type=float, default=5.0, help="split the safetensors above this")

@@ -74,6 +74,8 @@ def train_state_record(
         "engine": cfg.engine.name,
         "model_preset": None if cfg.model.hf else cfg.model.preset,
         "model_hf": cfg.model.hf,
+        # With the source, what `ckpt consolidate` rebuilds the run's HF config from.
+        "model_hf_config": dict(cfg.model.hf_config or {}),
         "model_shape": spec.shape.__dict__,
         "tensors": tensors,
         "seq_len": cfg.data.seq_len,

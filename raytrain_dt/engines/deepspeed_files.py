@@ -11,6 +11,10 @@ merges pipeline stages only for its own PipelineModule's layer files, so a pipel
 is converted stage by stage, each as the 1-stage checkpoint it is, and the results merged:
 disjoint parameter directories, and one model-states file with every stage's weights.
 
+`DeepSpeedTensors` reads a checkpoint's full fp32 weights by name for `ckpt consolidate`
+(a `checkpoint.export.TensorSource`) with DeepSpeed's own reader, which knows every ZeRO
+stage's partitioning (`get_fp32_state_dict_from_zero_checkpoint`), again stage by stage.
+
 `recording_saves` hashes what a rank writes in a save for the commit's manifest: each file
 DeepSpeed's checkpoint engine writes (torch.save) is hashed by the writing rank right after it
 is written, and global rank 0, which alone writes DeepSpeed's side files beside the tag
@@ -23,6 +27,7 @@ import contextlib
 import logging
 import re
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,12 +101,7 @@ def _convert_stages(tag_dir: Path, stages: int, work: Path) -> None:
     merged = work / "out"
     model_states: dict = {}
     for stage in range(stages):
-        # This stage's files under stage 0's names: a 1-stage checkpoint to DeepSpeed.
-        alone = work / f"stage{stage}"
-        alone.mkdir()
-        marker = f"mp_rank_{stage:02d}"
-        for f in tag_dir.glob(f"*{marker}_*.pt"):
-            (alone / re.sub(marker, "mp_rank_00", f.name)).symlink_to(f.resolve())
+        alone = stage_alone(tag_dir, stage, work / f"stage{stage}")
         converted = work / f"converted{stage}"
         _convert(alone, converted)
         # Parameter directories are disjoint across stages; the common optimizer state
@@ -112,6 +112,69 @@ def _convert_stages(tag_dir: Path, stages: int, work: Path) -> None:
     # One file for the whole model: DeepSpeed checks the file count against this.
     model_states["mp_world_size"] = 1
     torch.save(model_states, merged / MODEL_STATES.format(stage=0))
+
+
+def stage_alone(tag_dir: Path, stage: int, out_dir: Path) -> Path:
+    """`out_dir` holding links to one pipeline stage's files under stage 0's names: the 1-stage
+    checkpoint that DeepSpeed's readers, which know no stages, take it for."""
+    out_dir.mkdir()
+    marker = f"mp_rank_{stage:02d}"
+    for f in tag_dir.glob(f"*{marker}_*.pt"):
+        (out_dir / re.sub(marker, "mp_rank_00", f.name)).symlink_to(f.resolve())
+    return out_dir
+
+
+class DeepSpeedTensors:
+    """A DeepSpeed checkpoint's full fp32 weights by name (the whole model: every pipeline
+    stage's), read with DeepSpeed's reader in its lazy mode.
+
+    Memory is the library's: at ZeRO-3 each weight is gathered from the memory-mapped partition
+    files when it is streamed, at ZeRO-1/2 the reader concatenates the partitions of each
+    parameter group, about one fp32 copy of the model. ZeRO-0 has no partitions: its
+    model-states files hold the weights themselves, memory-mapped and read one at a time.
+    """
+
+    def __init__(self, tag_dir: Path):
+        layout = saved_layout(tag_dir)
+        if layout is None:
+            self._lazy = {}
+            for f in sorted(tag_dir.glob("mp_rank_*_model_states.pt")):
+                states = torch.load(f, map_location="cpu", mmap=True, weights_only=False)
+                self._lazy.update(states["module"])
+        else:
+            self._lazy = self._zero_weights(tag_dir, layout[2])
+        if not self._lazy:
+            raise ValueError(f"{tag_dir}: no DeepSpeed model states")
+        self.tensors = {name: (torch.Size(t.shape), t.dtype) for name, t in self._lazy.items()}
+
+    @staticmethod
+    def _zero_weights(tag_dir: Path, stages: int) -> dict:
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        weights: dict = {}
+        # The reader prints its progress; stdout is the command's own output.
+        with (
+            tempfile.TemporaryDirectory(prefix="ds-stages-") as tmp,
+            contextlib.redirect_stdout(sys.stderr),
+        ):
+            for stage in range(stages):
+                # The reader takes every `*_model_states.pt` for one stage's DP ranks.
+                alone = (
+                    tag_dir if stages == 1 else stage_alone(tag_dir, stage, Path(tmp, str(stage)))
+                )
+                # Disjoint names across stages; the reader has opened (mapped) the files it
+                # needs before it returns, so the links may go afterwards.
+                weights.update(
+                    get_fp32_state_dict_from_zero_checkpoint(
+                        str(alone.parent), tag=alone.name, lazy_mode=True
+                    )
+                )
+        return weights
+
+    def stream(self, names: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in names:
+            # A lazy (ZeRO-3) weight is gathered here, a ZeRO-1/2 one is a view of its group.
+            yield name, self._lazy[name].contiguous()
 
 
 def _merge_model_states(into: dict, states: dict) -> None:

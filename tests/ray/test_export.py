@@ -1,5 +1,6 @@
 """Export and inspection of a real checkpoint: `ckpt consolidate` output loads in
-transformers' LlamaForCausalLM with the same logits as our model; `ckpt ls/inspect` report it."""
+transformers' LlamaForCausalLM with the same logits as our model, for every kind of run (FSDP2,
+DeepSpeed at each ZeRO stage and pipelined, `model.hf`); `ckpt ls/inspect` report it."""
 
 from __future__ import annotations
 
@@ -197,3 +198,100 @@ def test_engine_load_checks_every_shape_against_dcp_metadata_before_reading(trai
     assert f"{len(differing)} tensors differ" in str(raised.value)
     for name, (saved, ours) in differing.items():
         assert f"{name} checkpoint {saved} vs model {ours}" in str(raised.value)
+
+
+# --- every kind of run ---------------------------------------------------------------------------
+# A `model.hf` run's config: a Llama from its model type, as small as the tiny preset.
+HF_RUN = ["model.hf=llama"] + [
+    f"model.hf_config.{k}={v}"
+    for k, v in {
+        "hidden_size": 64,
+        "intermediate_size": 176,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 256,
+        "max_position_embeddings": 64,
+    }.items()
+]
+DEEPSPEED = ("engine.name=deepspeed",)
+KINDS = {
+    "deepspeed-zero0": (*DEEPSPEED, "engine.zero_stage=0"),
+    "deepspeed-zero1": (*DEEPSPEED, "engine.zero_stage=1"),
+    "deepspeed-zero2": (*DEEPSPEED, "engine.zero_stage=2"),
+    "deepspeed-zero3": (*DEEPSPEED, "engine.zero_stage=3"),
+    "deepspeed-pipeline": (*DEEPSPEED, "parallel.pp=2", "trainer.grad_accum=2"),
+    "model-hf": tuple(HF_RUN),
+}
+
+
+@pytest.fixture(scope="module", params=["fsdp2", *KINDS])
+def run_of_kind(request, tmp_path_factory, token_data):
+    """(kind, config, the committed step) of a 2-step, 2-rank run of each kind; the FSDP2 one is
+    `trained`'s."""
+    if request.param == "fsdp2":
+        cfg, result = request.getfixturevalue("trained")
+        return request.param, cfg, result.latest_checkpoint
+    cfg = load_config(
+        "conf/test.yaml",
+        [
+            f"data.path={token_data}",
+            f"run.dir={tmp_path_factory.mktemp(request.param)}",
+            "trainer.steps=2",
+            "checkpoint.every_steps=2",
+            *KINDS[request.param],
+        ],
+    )
+    return request.param, cfg, train(cfg, show_progress=False).latest_checkpoint
+
+
+def _engine_weights(cfg, checkpoint: str) -> dict[str, torch.Tensor]:
+    """The weights as the run's engine holds them after loading the checkpoint: FSDP2's DCP
+    state gathered, or `full_state_dict` of a 1-rank DeepSpeedEngine that loaded it (with
+    DeepSpeed's own loader, resharding through its universal format)."""
+    if cfg.engine.name == "fsdp2":
+        return load_checkpoint_params(checkpoint)
+    from raytrain_dt.checkpoint.store import CheckpointStore
+    from raytrain_dt.tools.checkpoint_convert import (
+        _deepspeed_engine,
+        one_rank_layout,
+        single_process_group,
+    )
+
+    (ref,) = CheckpointStore(str(Path(checkpoint).parent)).list()
+    saved = ref.train_state["layout"]
+    with single_process_group():
+        layout = one_rank_layout(saved, saved["zero_stage"])
+        engine = _deepspeed_engine(model_shape(cfg), cfg, layout)
+        engine.load(checkpoint)
+        return engine.full_state_dict()
+
+
+def test_every_kind_of_run_consolidates_to_the_engines_logits(run_of_kind, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from raytrain_dt.models.model_spec import model_spec
+
+    kind, cfg, checkpoint = run_of_kind
+    out = tmp_path / "hf"
+    assert main(["ckpt", "consolidate", checkpoint, "--out", str(out)]) == 0
+    hf = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    ours = model_spec(cfg).build(cfg.data.seq_len, seed=0)
+    ours.load_state_dict(_engine_weights(cfg, checkpoint))
+    tokens = torch.randint(
+        0, 256, (2, cfg.data.seq_len), generator=torch.Generator().manual_seed(0)
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, ours.eval()(tokens), atol=1e-5, rtol=1e-5)
+    if kind == "model-hf":  # the run's own config, not one rebuilt from a preset
+        assert hf.config.num_hidden_layers == 2 and type(hf).__name__ == "LlamaForCausalLM"
+
+
+def test_an_uncommitted_step_is_one_line(tmp_path, capsys):
+    step = tmp_path / "checkpoints" / "step_7"
+    step.mkdir(parents=True)
+    (step / ".metadata").write_bytes(b"")
+    out = tmp_path / "hf"
+    assert main(["ckpt", "consolidate", str(step), "--out", str(out)]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line == f"error: {step}: not committed (no commit.json)"
+    assert not out.exists()
