@@ -171,6 +171,10 @@ class Coordinator:
                     self.advance()
         finally:
             self._end()
+            tracker = self.watch.tracker
+            failed_saves = tracker.summary() if tracker is not None else None
+            if failed_saves:
+                log.error("%s", failed_saves)
         if isinstance(self.state, Failed):
             raise TrainingFailed(self.state.reason)
         committed = self.store.committed()

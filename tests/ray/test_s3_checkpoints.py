@@ -125,3 +125,65 @@ def test_s3_save_commit_skip_damaged_and_resume_exactly(s3_endpoint, make_config
     assert ref is not None and ref.step == 8
     assert ref.record["files"][shard]["size"] > 100
     check_manifest(ref.uri)
+
+
+def test_deepspeed_s3_save_commit_resume_and_reshard(s3_endpoint, make_config, tmp_path):
+    """DeepSpeed writes local files: each rank stages its own, uploads them, and the driver
+    commits from their digests; a resume fetches each rank's files, a reshard converts from S3."""
+    root = f"s3://{BUCKET}/deepspeed/checkpoints"
+    run_dir = tmp_path / "ds-s3run"
+    args = (
+        "engine.name=deepspeed",
+        "engine.zero_stage=2",
+        "trainer.steps=6",
+        "checkpoint.every_steps=3",
+        f"checkpoint.dir={root}",
+        f"cluster.forward_env=[{','.join(S3_ENV)}]",
+    )
+    with file_reads_below(root) as reads:
+        train(make_config(*args, run_dir=run_dir), show_progress=False)
+    assert {name.rsplit("/", 1)[-1] for name in reads} == {"commit.json"}
+    uninterrupted = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert len(uninterrupted) == 6
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert not [e for e in events if e["event"] == "checkpoint_failed"]
+    _forget_s3_filesystems()
+    store = CheckpointStore(root)
+    assert [r.step for r in store.committed()] == [3, 6]
+    for ref in store.committed():
+        record = check_manifest(ref.uri)
+        assert {
+            "latest",
+            "ds/mp_rank_00_model_states.pt",
+            "ds/zero_pp_rank_0_mp_rank_00_optim_states.pt",
+            "ds/zero_pp_rank_1_mp_rank_00_optim_states.pt",
+        } <= set(record["files"])
+    assert not (run_dir / "checkpoints").exists()
+
+    def lose_step_6() -> None:
+        step_6 = Location.parse(store.step_uri(6))
+        step_6.fs.rm(step_6.path, recursive=True)
+        _forget_s3_filesystems()
+
+    # Same layout: each rank fetches the model states and its own optimizer partition.
+    lose_step_6()
+    result = train(make_config(*args, "resume=true", run_dir=run_dir), show_progress=False)
+    assert result.final_step == 6
+    start = next(e for e in read_jsonl(run_dir / "events.jsonl")[::-1] if e["event"] == "start")
+    assert start["resumed_from"].endswith("step_3")
+    resumed = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert resumed[3:] == pytest.approx(uninterrupted[3:], abs=1e-6)
+    _forget_s3_filesystems()
+    check_manifest(CheckpointStore(root).latest_valid().uri)
+
+    # One rank: rank 0 converts the 2-rank checkpoint from a local copy and uploads the
+    # universal form next to it on S3, where every rank fetches it.
+    lose_step_6()
+    one = make_config(*args, "resume=true", "cluster.num_ranks=1", run_dir=run_dir)
+    result = train(one, show_progress=False)
+    assert result.final_step == 6 and result.layout.dims.dp == 1
+    resharded = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert resharded[3:] == pytest.approx(uninterrupted[3:], abs=1e-5)
+    _forget_s3_filesystems()
+    universal = Location.parse(store.step_uri(3)).child("ds_universal")
+    assert any(name.startswith("zero/") for name in universal.files())
