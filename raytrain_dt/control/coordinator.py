@@ -75,7 +75,8 @@ from raytrain_dt.control.states import (
     Waiting,
 )
 from raytrain_dt.control.watch import GroupWatch
-from raytrain_dt.errors import ConfigError, UserError
+from raytrain_dt.data.remote import check_credentials
+from raytrain_dt.errors import CheckpointError, ConfigError, UserError
 from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
@@ -111,6 +112,7 @@ class Coordinator:
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> None:
+        check_credentials(self.checkpoint_root, "checkpoint.dir", CheckpointError)
         existing = self.store.committed()
         if existing and not self.cfg.resume:
             raise UserError(
