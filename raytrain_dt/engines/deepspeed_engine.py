@@ -36,6 +36,7 @@ from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.deepspeed_files import (
+    MODEL_STATES,
     StagedStep,
     fetching_loads,
     recording_saves,
@@ -343,10 +344,13 @@ class DeepSpeedEngine:
                 " (blocks moved between stages)" if moved else "",
             )
             tag = UNIVERSAL_TAG
-            if dist.get_rank() == 0 and not staged.mirror(UNIVERSAL_TAG):
+            # Its model states are uploaded last: an interrupted upload is converted again.
+            whole = MODEL_STATES.format(stage=0)
+            if dist.get_rank() == 0 and not staged.mirror(UNIVERSAL_TAG, complete=whole):
                 staged.fetch_all(TAG)  # the converter reads every rank's files
+                staged.clear(UNIVERSAL_TAG)  # an interrupted conversion's (or upload's) files
                 to_universal(path / TAG, path / UNIVERSAL_TAG)
-                staged.upload(UNIVERSAL_TAG)
+                staged.upload(UNIVERSAL_TAG, last=whole)
             dist.barrier()
             # Layout-free: every rank reads every parameter's file (torch.load, directly).
             staged.mirror(UNIVERSAL_TAG)

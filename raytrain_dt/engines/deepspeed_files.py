@@ -77,8 +77,8 @@ def recording_saves(
 
 class StagedStep:
     """A step directory as DeepSpeed sees it: `local`, a local directory. For a local step
-    directory that is the directory itself and every method is a no-op; for object storage it
-    is a fresh staging directory on this node's disk (under TMPDIR), removed by `close`."""
+    directory that is the directory itself, with nothing to upload or fetch; for object storage
+    it is a fresh staging directory on this node's disk (under TMPDIR), removed by `close`."""
 
     def __init__(self, uri: str) -> None:
         loc = Location.parse(uri)
@@ -99,23 +99,27 @@ class StagedStep:
         if self.remote is not None:
             shutil.rmtree(self.local, ignore_errors=True)
 
-    def upload(self, under: str = "") -> None:
-        """Upload every file staged below `under` (all: this rank's whole save) to the step."""
+    def upload(self, under: str = "", last: str | None = None) -> None:
+        """Upload every file staged below `under` (all: this rank's whole save) to the step;
+        `last` (a name below `under`) after all others, so that its presence means the rest
+        are there."""
         if self.remote is None:
             return
         root = self.local / under
-        for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        for path in sorted(files, key=lambda p: last is not None and p == root / last):
             name = path.relative_to(self.local).as_posix()
             if name in self._placeholders:
                 continue  # mirrored, never fetched: not ours to write
             # Object stores have no directories to make: one PUT per file.
             self.remote.fs.put_file(str(path), self.remote.child(name).path)
 
-    def mirror(self, under: str) -> bool:
+    def mirror(self, under: str, complete: str | None = None) -> bool:
         """Mirror the names of the step's files below `under` as empty placeholders, fetched
-        on demand (`fetch`); whether there are any."""
+        on demand (`fetch`); whether there are any (with `complete`: whether that name, which
+        `upload` sent last, is among them)."""
         if self.remote is None:
-            return (self.local / under).is_dir()
+            return (self.local / under / (complete or "")).exists()
         names = self.remote.child(under).files()
         for name in names:
             full = f"{under}/{name}"
@@ -125,16 +129,23 @@ class StagedStep:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.touch()
             self._placeholders.add(full)
-        return bool(names)
+        return complete in names if complete is not None else bool(names)
 
     def fetch(self, path: str | os.PathLike) -> Path:
         """`path` (below `local`) with its bytes here, downloaded if it is a placeholder."""
         path = Path(path)
+        if self.remote is None:
+            return path
         name = path.relative_to(self.local).as_posix() if path.is_absolute() else str(path)
         if name in self._placeholders:
             self.remote.fs.get_file(self.remote.child(name).path, str(self.local / name))
             self._placeholders.discard(name)
         return self.local / name
+
+    def clear(self, under: str) -> None:
+        """Drop what is staged below `under` (fetched or mirrored), to be written afresh."""
+        shutil.rmtree(self.local / under, ignore_errors=True)
+        self._placeholders = {n for n in self._placeholders if not n.startswith(under + "/")}
 
     def fetch_all(self, under: str) -> None:
         for name in sorted(n for n in self._placeholders if n.startswith(under + "/")):

@@ -140,6 +140,36 @@ def test_deepspeed_s3_save_commit_resume_and_reshard(make_config, tmp_path):
     assert any(name.startswith("zero/") for name in universal.files())
 
 
+def test_deepspeed_pipeline_resumes_from_s3(make_config, tmp_path):
+    """Two pipeline stages: each stage's ranks fetch their own stage's files (the stage check
+    reads the model-states file through the staging directory too)."""
+    root = f"s3://{BUCKET}/deepspeed-pp/checkpoints"
+    run_dir = tmp_path / "ds-pp"
+    args = (
+        "engine.name=deepspeed",
+        "parallel.pp=2",
+        "trainer.grad_accum=2",
+        "trainer.steps=4",
+        "checkpoint.every_steps=2",
+        f"checkpoint.dir={root}",
+        f"cluster.forward_env=[{','.join(S3_ENV)}]",
+    )
+    train(make_config(*args, run_dir=run_dir), show_progress=False)
+    uninterrupted = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    forget_s3_filesystems()
+    store = CheckpointStore(root)
+    assert [r.step for r in store.committed()] == [2, 4]
+    step_4 = Location.parse(store.step_uri(4))
+    step_4.fs.rm(step_4.path, recursive=True)
+    forget_s3_filesystems()
+    result = train(make_config(*args, "resume=true", run_dir=run_dir), show_progress=False)
+    assert result.final_step == 4 and result.layout.dims.pp == 2
+    resumed = [m["loss"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+    assert resumed[2:] == pytest.approx(uninterrupted[2:], abs=1e-6)
+    forget_s3_filesystems()
+    check_manifest(CheckpointStore(root).latest_valid().uri)
+
+
 def test_s3_checkpoint_dir_without_credentials_is_one_line(tmp_path, capsys, monkeypatch):
     remove_credentials(monkeypatch, tmp_path / "none")
     uri = f"s3://{BUCKET}/nocreds"
