@@ -147,7 +147,7 @@ def read_source(source: str, fmt: str, task_env: dict[str, str] | None = None):
         files = [bucket_path(f) for f in files]
         options["filesystem"] = s3_filesystem()
         if task_env:
-            options["ray_remote_args"] = {"runtime_env": {"env_vars": dict(task_env)}}
+            options["runtime_env"] = {"env_vars": dict(task_env)}
     if fmt == "parquet":
         return ray.data.read_parquet(files, **options)
     if fmt == "json":
