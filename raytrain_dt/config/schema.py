@@ -56,7 +56,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    # A directory of parquet files with an int32 list column `tokens` (see `prepare-data`).
+    # A directory of parquet files with an int32 list column `tokens` (see `prepare-data`);
+    # local, or s3://BUCKET/PREFIX (read with pyarrow's S3 filesystem, docs/cloud.md).
     path: str = "data/stdlib_tokens"
     # Tokens per training sequence; must match the prepared dataset.
     seq_len: int = 128
@@ -67,8 +68,9 @@ class DataConfig:
     # Micro-batches each rank's Ray Data iterator keeps ready ahead of the train step.
     prefetch_batches: int = 4
     # Your own data instead of `path`: parquet, JSONL or text files (a file, directory or glob)
-    # or a `datasets` directory (save_to_disk). Tokenized and packed into seq_len sequences
-    # once, into a token dataset cached under cache_dir by a hash of the source and settings.
+    # or a `datasets` directory (save_to_disk); files may be on s3:// (a file, prefix or glob).
+    # Tokenized and packed into seq_len sequences once, into a token dataset cached under
+    # cache_dir by a hash of the source and settings.
     source: str | None = None
     # auto (from file names), parquet, json, text or hf.
     format: str = "auto"

@@ -74,9 +74,29 @@ class CheckpointTracker:
     def _fail(self, step: int, error: str) -> None:
         if step not in self._failed:
             self._failed.add(step)
-            log.warning("checkpoint step %d failed: %s (previous latest stays latest)", step, error)
+            if self.last_committed is None:
+                # Not one save of this layout has committed: a run going on like this would
+                # train for ever with nothing to resume from, so this is an error, not a note.
+                log.error(
+                    "checkpoint step %d failed: %s (%d saves failed, none committed: %s)",
+                    step,
+                    error,
+                    len(self._failed),
+                    "this run has no checkpoint to resume from",
+                )
+            else:
+                log.warning(
+                    "checkpoint step %d failed: %s (previous latest stays latest)", step, error
+                )
             self.recorder.event("checkpoint_failed", step=step, error=error)
         self._forget(step)
+
+    def summary(self) -> str | None:
+        """One line when every save of this layout failed (said again as the run ends)."""
+        if self._failed and self.last_committed is None:
+            steps = ", ".join(str(s) for s in sorted(self._failed))
+            return f"every checkpoint save failed (steps {steps}): no checkpoint was committed"
+        return None
 
     def _commit(self, step: int) -> None:
         try:

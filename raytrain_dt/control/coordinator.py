@@ -75,7 +75,8 @@ from raytrain_dt.control.states import (
     Waiting,
 )
 from raytrain_dt.control.watch import GroupWatch
-from raytrain_dt.errors import ConfigError, UserError
+from raytrain_dt.data.remote import check_credentials
+from raytrain_dt.errors import CheckpointError, ConfigError, UserError
 from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
@@ -111,6 +112,7 @@ class Coordinator:
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> None:
+        check_credentials(self.checkpoint_root, "checkpoint.dir", CheckpointError)
         existing = self.store.committed()
         if existing and not self.cfg.resume:
             raise UserError(
@@ -171,6 +173,10 @@ class Coordinator:
                     self.advance()
         finally:
             self._end()
+            tracker = self.watch.tracker
+            failed_saves = tracker.summary() if tracker is not None else None
+            if failed_saves:
+                log.error("%s", failed_saves)
         if isinstance(self.state, Failed):
             raise TrainingFailed(self.state.reason)
         committed = self.store.committed()

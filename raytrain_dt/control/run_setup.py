@@ -6,13 +6,16 @@ and the per-rank specs of a formation (the planned layout for a set of nodes com
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from raytrain_dt.checkpoint.store import CheckpointRef
 from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.control.comm_env import forwarded_env
 from raytrain_dt.data.input_pipeline import DataSlice
 from raytrain_dt.data.prepare import prepare_dataset
+from raytrain_dt.data.remote import is_remote
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.models.model_spec import ModelSpec, model_spec
 from raytrain_dt.models.presets import ModelShape
@@ -66,8 +69,10 @@ def open_dataset(
         from raytrain_dt.data.user_data import open_user_dataset
 
         cache = Path(cfg.data.cache_dir or Path(cfg.run.dir) / "data_cache")
-        return open_user_dataset(cfg.data, cache, vocab_size, dataset, tokenize)
-    path = Path(cfg.data.path)
+        # A source on S3 is read by Ray Data tasks, which get what the ranks get (and no more).
+        env = forwarded_env(cfg.cluster.forward_env, os.environ)
+        return open_user_dataset(cfg.data, cache, vocab_size, dataset, tokenize, env)
+    path = cfg.data.path if is_remote(cfg.data.path) else Path(cfg.data.path)
     if _to_be_prepared(cfg):
         log.info(
             "dataset %s does not exist yet: preparing it from %s",
@@ -80,6 +85,8 @@ def open_dataset(
 
 def _to_be_prepared(cfg: TrainConfig) -> bool:
     """The default corpus, or a `data.text_glob` one, not prepared yet (done on first use)."""
+    if is_remote(cfg.data.path):  # a prepared dataset on S3: never prepared here
+        return False
     missing = not Path(cfg.data.path).exists()
     return missing and (cfg.data.path == DEFAULT_DATA_PATH or bool(cfg.data.text_glob))
 

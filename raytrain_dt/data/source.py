@@ -2,7 +2,10 @@
 
 `TokenDataset.open` checks the path, the files and the schema and raises a one-line
 `DataError` naming what is wrong. `read` maps sample ids to (file, row) and takes the rows from
-memory-mapped parquet tables, so a Ray Data task touches only the rows it serves.
+memory-mapped parquet tables, so a Ray Data task touches only the rows it serves. A dataset on
+S3 (`data.path: s3://...`, see `data.remote`) is opened from a listing and the parquet footers
+(the driver reads no rows); the Ray Data tasks that serve rows read each file's token column
+once and keep it (as they keep a local file's mapping).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from raytrain_dt.data.remote import bucket_path, is_remote, list_files, s3_filesystem
 from raytrain_dt.errors import DataError
 
 TOKENS_COLUMN = "tokens"
@@ -33,16 +37,22 @@ class TokenDataset:
 
     @classmethod
     def open(cls, path: str | Path, seq_len: int) -> TokenDataset:
-        root = Path(path)
-        if not root.exists():
-            raise DataError(f"{root}: dataset path does not exist (data.path)")
-        files = sorted(str(f) for f in root.rglob("*.parquet")) if root.is_dir() else [str(root)]
+        if is_remote(path):
+            root = str(path)
+            files = [f for f in list_files(root, "data.path") if f.endswith(".parquet")]
+        else:
+            root = Path(path)
+            if not root.exists():
+                raise DataError(f"{root}: dataset path does not exist (data.path)")
+            files = (
+                sorted(str(f) for f in root.rglob("*.parquet")) if root.is_dir() else [str(root)]
+            )
         if not files:
             raise DataError(f"{root}: no parquet files in the dataset directory (data.path)")
         counts = []
         for name in files:
             try:
-                meta = pq.ParquetFile(name)
+                meta = _parquet_file(name)
             except (pa.ArrowInvalid, OSError) as exc:
                 raise DataError(f"{name}: not a readable parquet file ({exc})") from exc
             _check_schema(name, meta.schema_arrow, seq_len)
@@ -82,7 +92,17 @@ def _check_schema(name: str, schema: pa.Schema, seq_len: int) -> None:
         )
 
 
+def _parquet_file(name: str) -> pq.ParquetFile:
+    """The file's footer (schema, row count), read; its rows are not."""
+    if is_remote(name):
+        return pq.ParquetFile(s3_filesystem().open_input_file(bucket_path(name)))
+    return pq.ParquetFile(name)
+
+
 @lru_cache(maxsize=64)
 def _tokens_table(name: str) -> pa.Table:
+    if is_remote(name):
+        # One GET of the column per file per task process, then served from memory.
+        return pq.read_table(bucket_path(name), columns=[TOKENS_COLUMN], filesystem=s3_filesystem())
     # Memory-mapped: repeated takes from one file cost page faults, not re-reads.
     return pq.read_table(name, columns=[TOKENS_COLUMN], memory_map=True)

@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from raytrain_dt.data.prepare import DOC_SEPARATOR, META_FILE, ROWS_PER_FILE, write_part
+from raytrain_dt.data.remote import bucket_path, is_remote, list_files, s3_filesystem
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.errors import DataError
 
@@ -96,7 +97,12 @@ def separator_and_vocab(settings: PackSettings) -> tuple[int | None, int | None]
 
 # --- sources -------------------------------------------------------------------------------
 def source_files(source: str, fmt: str) -> tuple[str, list[str]]:
-    """(format, sorted files) of a file, directory or glob; `hf` for a save_to_disk directory."""
+    """(format, sorted files) of a file, directory or glob; `hf` for a save_to_disk directory.
+    On S3: a file, a prefix or a glob, of `s3://` URIs (no `hf`)."""
+    if is_remote(source):
+        if fmt == "hf":
+            raise DataError(f"data.source: {source}: a `datasets` directory must be local")
+        return _known_format(source, fmt, list(list_files(source, "data.source")))
     path = Path(source)
     if path.is_dir() and (path / "dataset_info.json").is_file() and fmt in ("auto", "hf"):
         return "hf", sorted(str(p) for p in path.rglob("*") if p.is_file())
@@ -108,7 +114,10 @@ def source_files(source: str, fmt: str) -> tuple[str, list[str]]:
         ]
     else:
         files = [f for f in glob.glob(source, recursive=True) if Path(f).is_file()]
-    files = sorted(files)
+    return _known_format(source, fmt, sorted(files))
+
+
+def _known_format(source: str, fmt: str, files: list[str]) -> tuple[str, list[str]]:
     if not files:
         raise DataError(f"data.source: {source} matches no files")
     if fmt == "auto":
@@ -122,8 +131,10 @@ def source_files(source: str, fmt: str) -> tuple[str, list[str]]:
     return fmt, files
 
 
-def read_source(source: str, fmt: str):
-    """A Ray Dataset over the source, in file order."""
+def read_source(source: str, fmt: str, task_env: dict[str, str] | None = None):
+    """A Ray Dataset over the source, in file order. On S3 its read tasks open the files with
+    pyarrow's S3 filesystem, with `task_env` (the variables the run forwards: credentials and
+    endpoint, where no instance role gives them) in their environment."""
     import ray.data
 
     fmt, files = source_files(source, fmt)
@@ -131,12 +142,18 @@ def read_source(source: str, fmt: str):
         import datasets
 
         return ray.data.from_huggingface(datasets.load_from_disk(source))
+    options: dict = {}
+    if is_remote(source):
+        files = [bucket_path(f) for f in files]
+        options["filesystem"] = s3_filesystem()
+        if task_env:
+            options["runtime_env"] = {"env_vars": dict(task_env)}
     if fmt == "parquet":
-        return ray.data.read_parquet(files)
+        return ray.data.read_parquet(files, **options)
     if fmt == "json":
-        return ray.data.read_json(files)
+        return ray.data.read_json(files, **options)
     # One document per text file, as `prepare-data` does.
-    raw = ray.data.read_binary_files(files)
+    raw = ray.data.read_binary_files(files, **options)
     return raw.map_batches(_decode_text, batch_format="pyarrow")
 
 
@@ -147,8 +164,11 @@ def _decode_text(batch: pa.Table) -> pa.Table:
 
 def source_key(source: str, fmt: str, settings: PackSettings) -> str:
     """A hash of the source's files (path, size, mtime) and the packing settings."""
-    _, files = source_files(source, fmt)
-    stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
+    if is_remote(source):
+        stats = [(f, *stat) for f, stat in list_files(source, "data.source").items()]
+    else:
+        _, files = source_files(source, fmt)
+        stats = [(f, os.stat(f).st_size, os.stat(f).st_mtime_ns) for f in files]
     blob = json.dumps([PACKING_VERSION, asdict(settings), fmt, stats], sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -278,8 +298,10 @@ def open_user_dataset(
     vocab_size: int | None,
     dataset=None,
     tokenize: Callable | None = None,
+    task_env: dict[str, str] | None = None,
 ) -> TokenDataset:
-    """Pack `data.source` (or a Ray Dataset object) and open the result as a TokenDataset."""
+    """Pack `data.source` (or a Ray Dataset object) and open the result as a TokenDataset;
+    `task_env`: for the read tasks of a source on S3 (`read_source`)."""
     settings = PackSettings(
         seq_len=data_cfg.seq_len,
         text_column=data_cfg.text_column,
@@ -290,7 +312,7 @@ def open_user_dataset(
         source = data_cfg.source
         key = source_key(source, data_cfg.format, settings) if tokenize is None else None
         ds = (
-            read_source(source, data_cfg.format)
+            read_source(source, data_cfg.format, task_env)
             if key is None or not (cache_root / key / META_FILE).is_file()
             else None
         )

@@ -15,7 +15,10 @@ and the optimizer step; we set the learning rate every step from `lr_at`.
 
 Checkpoints are DeepSpeed's own format under `<step dir>/ds`. A checkpoint written at another
 DP size or pipeline split is converted once to a universal checkpoint (`<step dir>/ds_universal`,
-see `deepspeed_files`) and loaded from there.
+see `deepspeed_files`) and loaded from there. A step directory on object storage is staged on
+each rank's local disk (`deepspeed_files.StagedStep`): saves upload what the rank wrote, loads
+fetch what the rank reads, and a conversion is made by rank 0 from a local copy and uploaded
+next to the original for every rank to fetch.
 """
 
 from __future__ import annotations
@@ -30,10 +33,16 @@ from torch import nn
 
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.digests import FileDigests
-from raytrain_dt.checkpoint.storage import Location
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import EngineBuild, StepResult
-from raytrain_dt.engines.deepspeed_files import recording_saves, saved_layout, to_universal
+from raytrain_dt.engines.deepspeed_files import (
+    MODEL_STATES,
+    StagedStep,
+    fetching_loads,
+    recording_saves,
+    saved_layout,
+    to_universal,
+)
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.errors import ConfigError
@@ -279,9 +288,11 @@ class DeepSpeedEngine:
             raise NotImplementedError(
                 "DeepSpeed writes its own checkpoint files: no storage writer"
             )
-        path = _local_path(checkpoint_dir)
-        with recording_saves(self.engine, path, digests or FileDigests(), dist.get_rank() == 0):
-            self.engine.save_checkpoint(str(path), tag=TAG)
+        with StagedStep(checkpoint_dir) as staged:
+            rank_0 = dist.get_rank() == 0
+            with recording_saves(self.engine, staged.local, digests or FileDigests(), rank_0):
+                self.engine.save_checkpoint(str(staged.local), tag=TAG)
+            staged.upload()  # object storage: this rank's files, from its own staging dir
 
     def save_async(self, checkpoint_dir: str, process_group, storage_writer=None, digests=None):
         raise NotImplementedError("DeepSpeed saves synchronously (supports_async_save is False)")
@@ -290,7 +301,12 @@ class DeepSpeedEngine:
         raise NotImplementedError("DeepSpeed keeps no in-memory copies (supports_async_save)")
 
     def load(self, checkpoint_dir: str) -> None:
-        path = _local_path(checkpoint_dir)
+        with StagedStep(checkpoint_dir) as staged:
+            self._load(checkpoint_dir, staged)
+
+    def _load(self, checkpoint_dir: str, staged: StagedStep) -> None:
+        path = staged.local
+        staged.mirror(TAG)
         saved = saved_layout(path / TAG)
         current = (self.layout.dims.dp, self.layout.zero_stage == 3, self.layout.dims.pp)
         tag = TAG
@@ -301,7 +317,7 @@ class DeepSpeedEngine:
             )
         # The same DP size and stage count, but blocks moved between stages (another
         # `parallel.pp_layers`): DeepSpeed's stage files no longer match the stages either.
-        moved = saved is not None and saved == current and self._stages_moved(path / TAG)
+        moved = saved is not None and saved == current and self._stages_moved(path / TAG, staged)
         if saved is not None and (saved != current or moved):
             if self.layout.zero_stage == 0:
                 raise ValueError(
@@ -329,9 +345,17 @@ class DeepSpeedEngine:
                 " (blocks moved between stages)" if moved else "",
             )
             tag = UNIVERSAL_TAG
-            if dist.get_rank() == 0 and not (path / tag).is_dir():
+            # Its model states are uploaded last: an interrupted upload is converted again.
+            whole = MODEL_STATES.format(stage=0)
+            if dist.get_rank() == 0 and not staged.mirror(UNIVERSAL_TAG, complete=whole):
+                staged.fetch_all(TAG)  # the converter reads every rank's files
+                staged.clear(UNIVERSAL_TAG)  # an interrupted conversion's (or upload's) files
                 to_universal(path / TAG, path / UNIVERSAL_TAG)
+                staged.upload(UNIVERSAL_TAG, last=whole)
             dist.barrier()
+            # Layout-free: every rank reads every parameter's file (torch.load, directly).
+            staged.mirror(UNIVERSAL_TAG)
+            staged.fetch_all(UNIVERSAL_TAG)
             # Consulted only inside load_checkpoint (by the engine and the ZeRO optimizer).
             self.engine._config.load_universal_checkpoint = True
         # Hyperparameters come from our config, not the checkpoint. This also undoes a DeepSpeed
@@ -339,15 +363,16 @@ class DeepSpeedEngine:
         # gives the no-decay group weight decay.
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
         try:
-            loaded, _ = self.engine.load_checkpoint(
-                str(path),
-                tag=tag,
-                load_optimizer_states=True,
-                load_lr_scheduler_states=False,
-                # A universal checkpoint's model states hold the whole model, a pipeline stage
-                # only its part (its weights come from the per-parameter files either way).
-                load_module_strict=tag == TAG or self.layout.dims.pp == 1,
-            )
+            with fetching_loads(self.engine, staged):
+                loaded, _ = self.engine.load_checkpoint(
+                    str(path),
+                    tag=tag,
+                    load_optimizer_states=True,
+                    load_lr_scheduler_states=False,
+                    # A universal checkpoint's model states hold the whole model, a pipeline
+                    # stage only its part (its weights come from the per-parameter files).
+                    load_module_strict=tag == TAG or self.layout.dims.pp == 1,
+                )
         finally:
             self.engine._config.load_universal_checkpoint = False
         for group, settings in zip(self.optimizer.param_groups, hyper, strict=True):
@@ -361,9 +386,10 @@ class DeepSpeedEngine:
         if loaded is None:
             raise FileNotFoundError(f"no DeepSpeed checkpoint {tag!r} under {checkpoint_dir}")
 
-    def _stages_moved(self, tag_dir: Path) -> bool:
+    def _stages_moved(self, tag_dir: Path, staged: StagedStep) -> bool:
         """Whether a checkpoint of this layout's stage count holds other blocks per stage than
-        this run's split; one stage cannot move (the pipeline engine overrides this)."""
+        this run's split (a file of `tag_dir` is read through `staged.fetch`); one stage cannot
+        move (the pipeline engine overrides this)."""
         return False
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -378,11 +404,3 @@ class DeepSpeedEngine:
             value = (params[name] if full is None else full).detach().float().cpu().clone()
             out[name] = value
         return out
-
-
-def _local_path(uri: str) -> Path:
-    loc = Location.parse(uri)
-    if not loc.is_local:
-        # DeepSpeed reads and writes its files with torch.save/load on a local path.
-        raise ValueError(f"checkpoint.dir: engine.name=deepspeed needs a local path, got {uri}")
-    return Path(loc.path)

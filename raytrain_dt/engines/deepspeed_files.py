@@ -19,12 +19,21 @@ stage's partitioning (`get_fp32_state_dict_from_zero_checkpoint`), again stage b
 DeepSpeed's checkpoint engine writes (torch.save) is hashed by the writing rank right after it
 is written, and global rank 0, which alone writes DeepSpeed's side files beside the tag
 directory (`latest`, the recovery scripts), hashes those.
+
+DeepSpeed reads and writes its files with torch.save/torch.load on local paths. For a step
+directory on object storage (`s3://`), `StagedStep` gives each rank a node-local staging
+directory of its own: a save writes there and the rank uploads exactly the files it wrote (their
+digests are those of the local copies, the same bytes); a load mirrors the step's listing there
+as empty placeholders (DeepSpeed globs and counts the files of a layout) and fetches a file's
+bytes only when this rank's load opens it (`fetching_loads`), so each rank downloads only its
+own shards. Checkpoint bytes never pass through the driver.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import shutil
 import sys
@@ -69,6 +78,100 @@ def recording_saves(
         for side in sorted(p for p in step_dir.iterdir() if p.is_file()):
             if not side.name.startswith(COMMIT_FILE):  # an earlier commit of this step's
                 digests.add_stored(step, side.name)
+
+
+class StagedStep:
+    """A step directory as DeepSpeed sees it: `local`, a local directory. For a local step
+    directory that is the directory itself, with nothing to upload or fetch; for object storage
+    it is a fresh staging directory on this node's disk (under TMPDIR), removed by `close`."""
+
+    def __init__(self, uri: str) -> None:
+        loc = Location.parse(uri)
+        self.remote = None if loc.is_local else loc
+        if self.remote is None:
+            self.local = Path(loc.path)
+        else:
+            self.local = Path(tempfile.mkdtemp(prefix="raytrain_dt-deepspeed-"))
+        self._placeholders: set[str] = set()  # mirrored names whose bytes are not here yet
+
+    def __enter__(self) -> StagedStep:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.remote is not None:
+            shutil.rmtree(self.local, ignore_errors=True)
+
+    def upload(self, under: str = "", last: str | None = None) -> None:
+        """Upload every file staged below `under` (all: this rank's whole save) to the step;
+        `last` (a name below `under`) after all others, so that its presence means the rest
+        are there."""
+        if self.remote is None:
+            return
+        root = self.local / under
+        files = sorted(p for p in root.rglob("*") if p.is_file())
+        for path in sorted(files, key=lambda p: last is not None and p == root / last):
+            name = path.relative_to(self.local).as_posix()
+            if name in self._placeholders:
+                continue  # mirrored, never fetched: not ours to write
+            # Object stores have no directories to make: one PUT per file.
+            self.remote.fs.put_file(str(path), self.remote.child(name).path)
+
+    def mirror(self, under: str, complete: str | None = None) -> bool:
+        """Mirror the names of the step's files below `under` as empty placeholders, fetched
+        on demand (`fetch`); whether there are any (with `complete`: whether that name, which
+        `upload` sent last, is among them)."""
+        if self.remote is None:
+            return (self.local / under / (complete or "")).exists()
+        names = self.remote.child(under).files()
+        for name in names:
+            full = f"{under}/{name}"
+            path = self.local / full
+            if path.exists():
+                continue  # staged by this rank (a conversion it just ran)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch()
+            self._placeholders.add(full)
+        return complete in names if complete is not None else bool(names)
+
+    def fetch(self, path: str | os.PathLike) -> Path:
+        """`path` (below `local`) with its bytes here, downloaded if it is a placeholder."""
+        path = Path(path)
+        if self.remote is None:
+            return path
+        name = path.relative_to(self.local).as_posix() if path.is_absolute() else str(path)
+        if name in self._placeholders:
+            self.remote.fs.get_file(self.remote.child(name).path, str(self.local / name))
+            self._placeholders.discard(name)
+        return self.local / name
+
+    def clear(self, under: str) -> None:
+        """Drop what is staged below `under` (fetched or mirrored), to be written afresh."""
+        shutil.rmtree(self.local / under, ignore_errors=True)
+        self._placeholders = {n for n in self._placeholders if not n.startswith(under + "/")}
+
+    def fetch_all(self, under: str) -> None:
+        for name in sorted(n for n in self._placeholders if n.startswith(under + "/")):
+            self.fetch(name)
+
+
+@contextlib.contextmanager
+def fetching_loads(ds_engine, staged: StagedStep) -> Iterator[None]:
+    """While DeepSpeed's `load_checkpoint` runs inside: each file its checkpoint engine opens
+    is fetched into `staged` first, so this rank downloads only what its load reads."""
+    checkpoint_engine = ds_engine.checkpoint_engine
+    load = checkpoint_engine.load
+
+    def fetch_and_load(path, map_location=None):
+        return load(str(staged.fetch(path)), map_location=map_location)
+
+    checkpoint_engine.load = fetch_and_load
+    try:
+        yield
+    finally:
+        del checkpoint_engine.load  # the class's method again
 
 
 def saved_layout(tag_dir: Path) -> tuple[int, bool, int] | None:

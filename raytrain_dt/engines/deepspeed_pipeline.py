@@ -28,7 +28,7 @@ from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.deepspeed_engine import DeepSpeedEngine, deepspeed_config
-from raytrain_dt.engines.deepspeed_files import MODEL_STATES
+from raytrain_dt.engines.deepspeed_files import MODEL_STATES, StagedStep
 from raytrain_dt.engines.optim import apply_lr_schedule
 from raytrain_dt.models.materialize import materialize
 from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -140,11 +140,11 @@ class DeepSpeedPipelineEngine(DeepSpeedEngine):
         dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=self._dp_group)
         return StepResult(loss=float(loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
 
-    def _stages_moved(self, tag_dir: Path) -> bool:
+    def _stages_moved(self, tag_dir: Path, staged: StagedStep) -> bool:
         """Whether this rank's stage file in `tag_dir` names other entries than its stages
         hold, on any rank (collective: all ranks then take the same, universal, path). Only
         the file's index is read (memory-mapped), not its tensors."""
-        states = tag_dir / MODEL_STATES.format(stage=dist.get_rank(self._pp_group))
+        states = staged.fetch(tag_dir / MODEL_STATES.format(stage=dist.get_rank(self._pp_group)))
         saved = torch.load(states, map_location="cpu", mmap=True, weights_only=False)["module"]
         moved = self.device.scalar(float(set(saved) != set(self.engine.module.state_dict())))
         dist.all_reduce(moved, op=dist.ReduceOp.MAX)
