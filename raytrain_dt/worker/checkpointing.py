@@ -35,6 +35,17 @@ from raytrain_dt.worker.reports import (
 log = logging.getLogger(__name__)
 
 
+def side_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
+    """The background writes' and the save agreement's gloo groups (`RankCheckpointer`).
+
+    Created with the mesh, right after every peer has joined (`worker/rendezvous.py`):
+    creating a group waits in C++ for every peer and cannot be interrupted, so a peer lost
+    later in the set-up (its node going down while the model builds) would hold this rank
+    there for the store's whole timeout, and the teardown would have to give the actor up. The
+    set-up's later waits are collectives, which an abort ends."""
+    return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
+
+
 class RankCheckpointer:
     def __init__(
         self,
@@ -44,9 +55,11 @@ class RankCheckpointer:
         use_async: bool,
         device: DeviceSpec,
         die_while_saving: Collection[int] = (),
+        groups: tuple[dist.ProcessGroup, dist.ProcessGroup] | None = None,
     ):
         """`device`: whose RNG is saved beside the CPU's. `die_while_saving`: steps whose save
-        this rank dies in the middle of (chaos `kill_rank_mid_save`, for tests)."""
+        this rank dies in the middle of (chaos `kill_rank_mid_save`, for tests). `groups`:
+        `side_groups()` made earlier (a rank actor's set-up makes them with the mesh)."""
         self.engine = engine
         self.device = device
         self.die_while_saving = frozenset(die_while_saving)
@@ -56,8 +69,7 @@ class RankCheckpointer:
         # Background writes and the save agreement each get their own gloo group: collectives
         # from two threads on one group can interleave and deadlock, and neither may touch the
         # training group (nccl on GPU) from outside the train step.
-        self.write_group = dist.new_group(backend="gloo")
-        self.agree_group = dist.new_group(backend="gloo")
+        self.write_group, self.agree_group = groups or side_groups()
         self.requested = threading.Event()
         self.stop_requested = threading.Event()
         # A drain whose state stays in host memory (`peer_copies`): the agreed save is an

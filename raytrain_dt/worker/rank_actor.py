@@ -42,7 +42,7 @@ from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.parallel.device_mesh import build_mesh
-from raytrain_dt.worker.checkpointing import RankCheckpointer
+from raytrain_dt.worker.checkpointing import RankCheckpointer, side_groups
 from raytrain_dt.worker.collective_timeout import (
     join_timeout,
     restore_world_timeout,
@@ -228,6 +228,7 @@ class RankWorker:
         )
         restore_world_timeout(collective)
         mesh = build_mesh(spec.layout.dims, device.device_type)
+        checkpoint_groups = side_groups()  # while every peer is known to be there
         timings["process_group_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -257,6 +258,7 @@ class RankWorker:
             spec.cfg.checkpoint.async_save,
             device,
             die_while_saving=self._chaos.die_while_saving(),
+            groups=checkpoint_groups,
         )
         timings["model_build_s"] = time.perf_counter() - t1
         # Reported in the `model_built` event (what building the model cost in host memory).
