@@ -119,8 +119,11 @@ class Layout:
         )
 
     def as_dict(self) -> dict:
+        """The layout as JSON holds it (events, layout.json): so a record read back from a file
+        equals one made here (`pp_layers` a list, not a tuple)."""
         record = asdict(self)
         record["dims"] = self.dims.as_dict()
+        record["pp_layers"] = list(self.pp_layers)
         return record
 
     @classmethod
