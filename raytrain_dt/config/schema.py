@@ -42,6 +42,17 @@ class ModelConfig:
     ffn_hidden: int | None = None
     # Share the output projection's weights with the token embedding.
     tie_embeddings: bool | None = None
+    # Mixture of experts: experts per MoE block (0: dense SwiGLU blocks), e.g. preset moe-tiny.
+    n_experts: int | None = None
+    # Experts each token is routed to (top-k).
+    experts_per_token: int | None = None
+    # Inner size of each expert's SwiGLU; 0 means model.ffn_hidden.
+    moe_ffn_hidden: int | None = None
+    # Tokens an expert takes per sequence: capacity_factor x tokens x experts_per_token /
+    # n_experts; a token's assignments past that are dropped (and counted). 0: no capacity.
+    capacity_factor: float | None = None
+    # Weight of the router's load-balancing auxiliary loss, added to the training loss.
+    router_aux_loss_coef: float | None = None
     # Initial weights for a fresh run: a directory of Hugging Face-format Llama safetensors
     # (`ckpt consolidate` output) whose config.json matches this shape. Ignored on resume.
     init_from: str | None = None
@@ -144,6 +155,14 @@ class ParallelConfig:
     pp_layers: list[int] | None = None
     # With tensor parallelism, also split norms and residuals along the sequence (Megatron SP).
     sequence_parallel: bool = False
+    # Context-parallel degree: each sequence is split over cp ranks (2 x cp load-balanced causal
+    # chunks; data.seq_len must divide into them) that run ring attention and read the same
+    # samples.
+    cp: int | None = None
+    # Expert-parallel degree (MoE models): each MoE block's experts are split over ep of the
+    # dp_shard ranks, which exchange tokens by all-to-all; must divide model.n_experts and the
+    # dp_shard degree.
+    ep: int | None = None
 
 
 @dataclass
@@ -377,6 +396,8 @@ _POSITIVE = (
     "parallel.dp_replicate",
     "parallel.dp_shard",
     "parallel.virtual_stages",
+    "parallel.cp",
+    "parallel.ep",
     "cluster.local_nodes",
     "cluster.accelerators_per_node",
     "cluster.num_ranks",
@@ -399,6 +420,7 @@ _POSITIVE = (
     "model.n_kv_heads",
     "model.vocab_size",
     "model.ffn_hidden",
+    "model.experts_per_token",
     "comm.timeout_s",
     "comm.buffsize_bytes",
 )
@@ -414,6 +436,10 @@ _NON_NEGATIVE = (
     "elastic.max_restarts",
     "elastic.grow_stable_s",
     "comm.trace_buffer",
+    "model.n_experts",
+    "model.moe_ffn_hidden",
+    "model.capacity_factor",
+    "model.router_aux_loss_coef",
 )
 
 
@@ -504,6 +530,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
     if cfg.data.seq_len < 2:
         raise ConfigError(f"data.seq_len: must be >= 2, got {cfg.data.seq_len}")
+    if par.cp and cfg.data.seq_len % (2 * par.cp):
+        raise ConfigError(
+            f"parallel.cp: {par.cp} does not split data.seq_len={cfg.data.seq_len} into "
+            f"2 x cp = {2 * par.cp} equal chunks"
+        )
     for name in cfg.cluster.forward_env:
         if not ENV_NAME.fullmatch(name):
             raise ConfigError(

@@ -26,4 +26,9 @@ def config_shape(cfg) -> ModelShape:
         vocab_size=m.vocab_size,
         ffn_hidden=m.ffn_hidden,
         tie_embeddings=m.tie_embeddings,
+        n_experts=m.n_experts,
+        experts_per_token=m.experts_per_token,
+        moe_ffn_hidden=m.moe_ffn_hidden,
+        capacity_factor=m.capacity_factor,
+        router_aux_loss_coef=m.router_aux_loss_coef,
     )

@@ -35,15 +35,22 @@ class ParallelDims:
     dp_shard: int = 1
     cp: int = 1
     tp: int = 1
-    ep: int = 1  # expert parallel: represented for the layout record, always 1 for now
+    # Expert parallel: each MoE layer's experts are split over `ep` consecutive dp_shard ranks,
+    # which exchange tokens by all-to-all. Not a mesh axis of its own: EP borrows the dp_shard
+    # ranks (as in torchtitan), so it never changes the world size or the data split; expert
+    # parameters are then FSDP-sharded over the remaining `dp_shard_mod_ep` ranks.
+    ep: int = 1
 
     def __post_init__(self) -> None:
         for axis in (*MESH_AXES, "ep", "world_size"):
             value = getattr(self, axis)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelDims.{axis} must be a positive int, got {value!r}")
-        if self.ep != 1:
-            raise ValueError(f"ParallelDims.ep={self.ep}: expert parallelism is not supported yet")
+        if self.dp_shard % self.ep:
+            raise ValueError(
+                f"ParallelDims.ep={self.ep} does not divide dp_shard={self.dp_shard}: expert "
+                "parallelism splits the experts over dp_shard ranks"
+            )
         product = self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
         if product != self.world_size:
             raise ValueError(
@@ -60,6 +67,19 @@ class ParallelDims:
     @property
     def shape(self) -> tuple[int, ...]:
         return tuple(getattr(self, axis) for axis in MESH_AXES)
+
+    @property
+    def dp_shard_mod_ep(self) -> int:
+        """Ranks each expert's parameters are FSDP-sharded over (dp_shard / ep)."""
+        return self.dp_shard // self.ep
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -83,6 +103,8 @@ class ParallelDims:
 
     def describe(self) -> str:
         parts = [f"{axis}={getattr(self, axis)}" for axis in MESH_AXES if getattr(self, axis) > 1]
+        if self.ep > 1:
+            parts.append(f"ep={self.ep}")
         return " x ".join(parts) if parts else "single rank"
 
     def as_dict(self) -> dict[str, int]:
@@ -115,5 +137,15 @@ class ParallelDims:
         for rank in range(self.world_size):
             c = self.coords(rank)
             key = tuple(getattr(c, a) for a in MESH_AXES if a != axis)
+            by_rest.setdefault(key, []).append(rank)
+        return list(by_rest.values())
+
+    def ep_groups(self) -> list[list[int]]:
+        """Rank lists that share one copy of every expert between them (an all-to-all group):
+        `ep` consecutive dp_shard indices, all other coordinates equal."""
+        by_rest: dict[tuple[int, ...], list[int]] = {}
+        for rank in range(self.world_size):
+            c = self.coords(rank)
+            key = (c.pp, c.dp_replicate, c.dp_shard // self.ep, c.cp, c.tp)
             by_rest.setdefault(key, []).append(rank)
         return list(by_rest.values())

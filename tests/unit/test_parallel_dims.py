@@ -18,9 +18,17 @@ def test_degrees_must_be_positive_ints(bad) -> None:
         ParallelDims(world_size=4, tp=bad)
 
 
-def test_expert_parallel_is_refused() -> None:
-    with pytest.raises(ValueError, match="expert parallelism"):
-        ParallelDims(world_size=2, dp_shard=2, ep=2)
+def test_expert_parallel_must_divide_dp_shard() -> None:
+    with pytest.raises(ValueError, match=r"ep=2 does not divide dp_shard=3"):
+        ParallelDims(world_size=6, dp_shard=3, ep=2)
+
+
+def test_expert_groups_are_consecutive_dp_shard_ranks() -> None:
+    dims = ParallelDims(world_size=8, dp_shard=4, tp=2, ep=2)
+    assert dims.dp_shard_mod_ep == 2 and dims.dp == 4 and dims.world_size == 8
+    # dp_shard is strided by tp (=2): ep partners are dp_shard 0,1 then 2,3 of each tp rank.
+    assert sorted(dims.ep_groups()) == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.describe() == "dp_shard=4 x tp=2 x ep=2"
 
 
 def test_rank_coords_round_trip() -> None:
