@@ -17,6 +17,7 @@ from raytrain_dt.engines.optim import build_adamw, set_lr
 from raytrain_dt.engines.schedule import lr_at
 from raytrain_dt.models.llama import next_token_loss
 from raytrain_dt.models.model_spec import model_spec
+from raytrain_dt.models.moe import take_router_stats
 from raytrain_dt.tools.checkpoint_convert import read_flat_state
 
 
@@ -33,10 +34,15 @@ def global_batch_ids(
 
 
 def reference_run(
-    cfg: TrainConfig, steps: int, batches: list[int] | None = None
+    cfg: TrainConfig,
+    steps: int,
+    batches: list[int] | None = None,
+    router_stats: list | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses of the first `steps` steps and the parameters after them; `batches`: each
-    step's real global batch (a run under trainer.batch_tolerance), the loss a mean over it."""
+    step's real global batch (a run under trainer.batch_tolerance), the loss a mean over it.
+    `router_stats` (a mixture-of-experts model): each step's routed assignments per expert
+    and dropped ones, as a list [per expert..., dropped], is appended to it."""
     dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
     model = model_spec(cfg).build(cfg.data.seq_len, cfg.run.seed)
     optimizer = build_adamw(model, cfg.trainer)
@@ -56,6 +62,9 @@ def reference_run(
         tokens = torch.from_numpy(dataset.read(global_batch_ids(cfg, dataset, step, batches)))
         loss = next_token_loss(model(tokens), tokens)
         loss.backward()
+        counts = take_router_stats(model, torch.device("cpu"))
+        if router_stats is not None and counts is not None:
+            router_stats.append(counts.tolist())
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         optimizer.step()

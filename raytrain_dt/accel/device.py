@@ -50,6 +50,12 @@ class DeviceSpec:
         return self.is_accelerator
 
     @property
+    def premul_sum(self) -> bool:
+        """Whether the backend reduces with a pre-multiplied sum (NCCL's PREMUL_SUM): FSDP uses
+        it for a custom gradient divide factor; elsewhere it must sum, then divide."""
+        return self.backend == "nccl"
+
+    @property
     def torch_device(self) -> torch.device:
         return (
             torch.device(self.device_type, self.index)

@@ -43,11 +43,28 @@ class EngineBuild:
 
 
 @dataclass(frozen=True)
+class RouterStats:
+    """A mixture-of-experts step's routing over the global batch, summed over MoE layers."""
+
+    # Token copies (assignments: k per token and layer) routed to each expert, before capacity.
+    tokens_per_expert: list[int]
+    # Assignments an expert refused for capacity (their expert output is zero).
+    dropped: int
+
+    @property
+    def drop_rate(self) -> float:
+        routed = sum(self.tokens_per_expert)
+        return self.dropped / routed if routed else 0.0
+
+
+@dataclass(frozen=True)
 class StepResult:
     # Mean next-token loss over the global batch (already reduced over DP).
     loss: float
     grad_norm: float
     lr: float
+    # Mixture-of-experts models only.
+    router: RouterStats | None = None
 
 
 class Engine(Protocol):

@@ -44,8 +44,12 @@ from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
+from raytrain_dt.engines.router_stats import reduce_router_stats
 from raytrain_dt.models.materialize import materialize
+from raytrain_dt.models.moe import moe_layers, set_aux_row_weights
 from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
+from raytrain_dt.parallel.device_mesh import expert_fsdp_mesh
+from raytrain_dt.parallel.expert_parallel import apply_expert_parallel, expert_modules
 from raytrain_dt.parallel.pipeline_parallel import (
     Pipeline,
     StageUnion,
@@ -80,6 +84,7 @@ class FSDP2Engine:
         self._pp_group = None
         weights = build.initial_weights()
         model = spec.skeleton(cfg.data.seq_len)
+        check_moe_layout(model, spec.name, layout)
         if layout.dims.pp_enabled:
             if layout.padded_slots:
                 raise ValueError(f"{layout.describe()}: pipeline stages need an exact global batch")
@@ -107,6 +112,9 @@ class FSDP2Engine:
         self.model = model
         self.optimizer = build_adamw(model, self.cfg.trainer)
         self._dp_group = mesh["dp"].get_group()
+        self._moe = bool(moe_layers(model))
+        # Router statistics sum over every rank holding distinct tokens of the batch.
+        self._tokens_group = mesh["dp_cp"].get_group() if self._moe else None
 
     def _parallelize(self, model: nn.Module) -> None:
         """TP, then activation checkpointing, then FSDP over the DP mesh (one pipeline stage,
@@ -114,6 +122,8 @@ class FSDP2Engine:
         layout, mesh, device = self.layout, self.mesh, self.device
         if layout.dims.tp_enabled:
             self.spec.apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
+        if layout.dims.ep_enabled:
+            apply_expert_parallel(model, mesh["ep"])
         if layout.activation_checkpointing:
             apply_activation_checkpointing(model, self.spec.blocks(model))
         dp_mesh = mesh["dp_replicate", "dp_shard_cp"]
@@ -126,10 +136,28 @@ class FSDP2Engine:
             shard_kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=device.pin_memory)
         reshard = layout.zero_stage == 3
         for block in self.spec.blocks(model).values():
+            if layout.dims.ep_enabled:
+                self._shard_experts(block, reshard, shard_kwargs)
             fully_shard(block, reshard_after_forward=reshard, **shard_kwargs)
         # The root holds embeddings, final norm and head; they are used last in backward, so
         # resharding them after forward would only add an all-gather.
         fully_shard(model, reshard_after_forward=False, **shard_kwargs)
+
+    def _shard_experts(self, block: nn.Module, reshard: bool, shard_kwargs: dict) -> None:
+        """Under ep > 1: each expert group's FSDP unit, over the ranks holding the same experts.
+        Its gradient sums every ep peer's tokens, so it is divided by the whole DP mesh's size
+        (as every other gradient is), not by the expert mesh's."""
+        dp_size = shard_kwargs["mesh"].size()
+        mesh = expert_fsdp_mesh(self.mesh)
+        # That divide factor reduce-scatters with PREMUL_SUM, which only NCCL has; elsewhere a
+        # sum, then a division. Not with one shard: torch 2.13 then divides twice (its copy
+        # path for a single rank divides and so does the post-division); nor is it needed
+        # there, as no reduce-scatter runs.
+        force_sum = not self.device.premul_sum and mesh["dp_shard_mod_ep_cp"].size() > 1
+        for experts in expert_modules(block):
+            fully_shard(experts, reshard_after_forward=reshard, **{**shard_kwargs, "mesh": mesh})
+            experts.set_gradient_divide_factor(float(dp_size))
+            experts.set_force_sum_reduction_for_comms(force_sum)
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None
@@ -150,7 +178,14 @@ class FSDP2Engine:
         # Every micro-batch has the same number of tokens (padding weighted as in
         # `micro_step_loss`), so the global-batch mean is the mean of the per-rank means over DP.
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
-        return StepResult(loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr)
+        router = None
+        if self._moe:
+            router = reduce_router_stats(
+                self.model, self.device.torch_device, self._tokens_group
+            )
+        return StepResult(
+            loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr, router=router
+        )
 
     def _micro_steps(self, micro_batches: list[torch.Tensor], real: list) -> torch.Tensor:
         """Forward/backward per micro-batch; this rank's mean loss (fp32, on the device: it
@@ -161,11 +196,23 @@ class FSDP2Engine:
             last = i == accum - 1
             self.model.set_requires_gradient_sync(last or not self.layout.grad_sync_deferred)
             tokens = self.device.to_device(tokens)
+            if self._moe:
+                set_aux_row_weights(self.model, self._aux_row_weights(rows, len(tokens)))
             with loss_context(self.layout.dims.tp_enabled):
                 loss = micro_step_loss(self._loss, self.model(tokens), tokens, rows, self.layout)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum
+
+    def _aux_row_weights(self, real: torch.Tensor | None, rows: int) -> torch.Tensor:
+        """Each row's weight in this micro-step's load-balancing loss: dp / global batch for a
+        real row (0 for padding), so that, with FSDP's average over DP, every sample of the
+        global batch weighs 1/G, as in the single-process mean (the loss is not divided by the
+        accumulation count: its gradient is added outside the scaled loss, `models.moe`)."""
+        per_row = self.layout.dims.dp / self.layout.global_batch
+        if real is None or not self.layout.padded_slots:
+            return torch.full((rows,), per_row, device=self.device.torch_device)
+        return self.device.to_device(real.float() * per_row)
 
     def _pipeline_micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step; the mean loss, known on every stage of this pipeline."""
@@ -286,6 +333,20 @@ class FSDP2Engine:
         self.optimizer.zero_grad(set_to_none=True)
 
 
+def check_moe_layout(model: nn.Module, model_name: str, layout) -> None:
+    """The layouts our MoE blocks train under: expert and data parallelism, FSDP, activation
+    checkpointing; not (yet) tensor or pipeline parallelism."""
+    dims = layout.dims
+    if dims.ep_enabled and not expert_modules(model):
+        raise ValueError(
+            f"parallel.ep: model {model_name!r} has no experts to split (ep > 1 needs a "
+            "preset with model.n_experts > 0, such as moe-tiny)"
+        )
+    if moe_layers(model) and (dims.tp_enabled or dims.pp_enabled):
+        axis = "parallel.tp" if dims.tp_enabled else "parallel.pp"
+        raise ValueError(f"{axis}: mixture-of-experts models train with tp=1 and pp=1")
+
+
 def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=None) -> float:
     """Total gradient norm over all shards and pipeline stages; clips in place if max_norm > 0.
     The norm is fp32 on the compute device (it enters the pp all-reduce)."""
@@ -309,6 +370,11 @@ def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=Non
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        # Takes parameters (it scales p.grad), with the norm over every shard.
-        torch.nn.utils.clip_grads_with_norm_(with_grads, max_norm, total, foreach=True)
+        # Takes parameters (it scales p.grad), with the norm over every shard; once per mesh,
+        # as foreach ops cannot mix meshes either (expert parallelism's experts have their own).
+        by_param_mesh: dict = {}
+        for p in with_grads:
+            by_param_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+        for params in by_param_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)

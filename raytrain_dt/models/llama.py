@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from raytrain_dt.models.materialize import ParamInit
+from raytrain_dt.models.moe import GroupedExperts, MoEFeedForward
 from raytrain_dt.models.presets import ModelShape
 
 
@@ -79,7 +80,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
         self.attention = Attention(shape)
         self.ffn_norm = nn.RMSNorm(shape.dim, eps=shape.norm_eps)
-        self.feed_forward = FeedForward(shape)
+        self.feed_forward = MoEFeedForward(shape) if shape.is_moe else FeedForward(shape)
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
@@ -116,11 +117,13 @@ class LlamaDecoder(nn.Module):
 
 def llama_param_init(shape: ModelShape, name: str, module: nn.Module) -> ParamInit:
     """The decoder's init (`ModelSpec.param_init`): norms 1, normal(0.02) elsewhere, with the
-    residual output projections (attention `wo`, MLP `w2`) scaled down by depth."""
+    residual output projections (attention `wo`, MLP and experts' `w2`) scaled down by depth."""
     # By module, not by the parameter's shape: under ZeRO-3 it is an empty partition.
     if isinstance(module, nn.RMSNorm):
         return ParamInit.ones()
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight")) or (
+        isinstance(module, GroupedExperts) and name.endswith(".w2")
+    ):
         return ParamInit.normal(0.02 / math.sqrt(2 * shape.n_layers))
     return ParamInit.normal(0.02)
 

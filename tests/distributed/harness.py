@@ -67,6 +67,8 @@ class JobResult:
     param_device: str | None = None
     # With an async save: the bytes of all its staging buffers (model and optimizer states).
     staged_bytes: int | None = None
+    # Each step's `StepResult.router` (mixture-of-experts models; None for dense ones).
+    router: list = field(default_factory=list)
 
 
 def _free_port() -> int:
@@ -115,7 +117,7 @@ def _run_job(rank: int, job: Job) -> JobResult:
         dataset = TokenDataset.open(cfg.data.path, cfg.data.seq_len)
         dp_rank = dims.coords(rank).dp
         g = layout.global_batch
-        losses = []
+        losses, router = [], []
         saving = None
         for step in range(job.start_step, job.start_step + job.steps):
             if job.async_save_dir and step == job.start_step + job.async_save_after:
@@ -128,7 +130,9 @@ def _run_job(rank: int, job: Job) -> JobResult:
             micro = list(torch.split(rows, layout.micro_batch))
             masks = list(torch.split(torch.from_numpy(real), layout.micro_batch))
             assert len(micro) == layout.grad_accum, (len(micro), layout)
-            losses.append(engine.train_step(micro, step, masks).loss)
+            result = engine.train_step(micro, step, masks)
+            losses.append(result.loss)
+            router.append(result.router)
         staged_pinned = staged_bytes = None
         if saving is not None:
             saving.result()
@@ -151,7 +155,13 @@ def _run_job(rank: int, job: Job) -> JobResult:
             keys = _checkpoint_keys(job.checkpoint_dir)
         del engine
         return JobResult(
-            losses, params if rank == 0 else {}, keys, staged_pinned, param_device, staged_bytes
+            losses,
+            params if rank == 0 else {},
+            keys,
+            staged_pinned,
+            param_device,
+            staged_bytes,
+            router,
         )
     finally:
         dist.destroy_process_group()

@@ -1,0 +1,218 @@
+"""The mixture-of-experts feed-forward of our decoder (`ModelShape.is_moe`): top-k routing,
+per-sequence expert capacity, the load-balancing loss, and the router statistics a step reports.
+
+Routing (Mixtral's convention): a bias-free router gives each token fp32 softmax scores over
+the experts; the token goes to its top-k experts with the chosen scores renormalized to sum to
+1. Capacity is counted per SEQUENCE, so which assignments are dropped does not depend on how a
+batch is split over ranks (every layout then equals the single-process run): expert e accepts at
+most ceil(capacity_factor * seq_len * k / n_experts) assignments of one sequence, earliest
+positions first; a dropped assignment contributes nothing (the residual carries the token on).
+capacity_factor 0 means no limit.
+
+The load-balancing loss (Switch/Mixtral) of one sequence is n_experts * sum_e f_e * P_e, f_e the
+share of its tokens routed to e (before capacity; sums to k) and P_e its mean router score for
+e. It never enters the reported next-token loss or the loss function: `AuxLossAutoScaler`
+attaches it to the block's output (identity forward) and adds its gradient in backward. Each
+row's weight in it (`aux_row_weights`, set by the engine before every micro-step forward) is
+what makes the summed gradient over micro-steps and DP ranks equal the single-process one (the
+default, None, is the mean over the batch's rows: one forward over the whole batch).
+
+Experts are grouped 3-D parameters (w1/w3: (E, hidden, dim), w2: (E, dim, hidden)) in an
+`experts` submodule (`GroupedExperts`), so expert parallelism shards dim 0 and swaps in a token
+dispatcher (`parallel/expert_parallel.py`) without the rest of this module knowing.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raytrain_dt.models.presets import ModelShape
+
+
+def expert_capacity(capacity_factor: float, seq_len: int, top_k: int, n_experts: int) -> int:
+    """Assignments of one sequence an expert accepts; 0 for no limit."""
+    if capacity_factor <= 0:
+        return 0
+    return math.ceil(capacity_factor * seq_len * top_k / n_experts)
+
+
+def route(
+    logits: torch.Tensor, top_k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp32 scores (..., E), chosen experts (..., k), their renormalized weights (..., k))."""
+    scores = torch.softmax(logits.float(), dim=-1)
+    weights, experts = scores.topk(top_k, dim=-1)
+    return scores, experts, weights / weights.sum(dim=-1, keepdim=True)
+
+
+def capacity_keep(experts: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+    """Which assignments of `experts` (batch, seq, k) an expert accepts: at most `capacity` per
+    expert and sequence, in position order (a token's k experts are distinct, so the order
+    within a token does not matter)."""
+    if capacity <= 0:
+        return torch.ones_like(experts, dtype=torch.bool)
+    chosen = F.one_hot(experts, n_experts)  # (batch, seq, k, E)
+    # The 1-based arrival number of each assignment at its expert, within its sequence.
+    arrivals = chosen.sum(dim=2).cumsum(dim=1)  # (batch, seq, E)
+    arrival = arrivals.gather(2, experts)  # (batch, seq, k)
+    return arrival <= capacity
+
+
+def load_balancing_loss(
+    scores: torch.Tensor, experts: torch.Tensor, n_experts: int
+) -> torch.Tensor:
+    """Per sequence (batch,): n_experts * sum_e f_e * P_e over its positions."""
+    routed_share = F.one_hot(experts, n_experts).sum(dim=2).float().mean(dim=1)  # (batch, E)
+    mean_score = scores.mean(dim=1)  # (batch, E)
+    return n_experts * (routed_share * mean_score).sum(dim=-1)
+
+
+class AuxLossAutoScaler(torch.autograd.Function):
+    """Identity on `output`; backward also sends gradient 1 into `aux_loss` (the loss is
+    already weighted for its share of the step), so its gradient joins the model's."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(aux_loss)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a parameter (a DTensor over the ep mesh under expert parallelism)."""
+    to_local = getattr(param, "to_local", None)
+    return to_local() if to_local is not None else param
+
+
+class GroupedExperts(nn.Module):
+    """n_experts SwiGLU experts as three stacked parameters (dim 0: the expert)."""
+
+    def __init__(self, n_experts: int, dim: int, hidden: int):
+        super().__init__()
+        self.n_experts = n_experts
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # gate
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))  # up
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))  # down
+        # Set by `parallel.expert_parallel`: exchanges tokens with the ranks holding the experts.
+        self.dispatcher = None
+
+    def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """`tokens` (n, dim) sorted by expert, `counts` (E,) per expert -> outputs, same order."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, tokens, counts)
+        return self.compute(tokens, counts)
+
+    def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Run the experts this rank holds over `tokens` sorted by them (`counts` each)."""
+        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
+        outputs = []
+        # A host list of sizes: split needs it (one device sync per layer).
+        for e, chunk in enumerate(torch.split(tokens, counts.tolist())):
+            # Every expert runs, even on no tokens, so each gets a (zero) gradient.
+            hidden = F.silu(chunk @ w1[e].to(chunk.dtype).T) * (chunk @ w3[e].to(chunk.dtype).T)
+            outputs.append(hidden @ w2[e].to(chunk.dtype).T)
+        return torch.cat(outputs)
+
+
+class SharedExpert(nn.Module):
+    """A SwiGLU every token passes through (Qwen-MoE's shared expert)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class MoEFeedForward(nn.Module):
+    """(batch, seq, dim) -> (batch, seq, dim): the routed experts' weighted sum (+ shared)."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        self.n_experts = shape.n_experts
+        self.top_k = shape.experts_per_token
+        self.capacity_factor = shape.capacity_factor
+        self.aux_loss_coef = shape.router_aux_loss_coef
+        self.router = nn.Linear(shape.dim, shape.n_experts, bias=False)
+        self.experts = GroupedExperts(shape.n_experts, shape.dim, shape.expert_hidden)
+        self.shared_expert = (
+            SharedExpert(shape.dim, shape.shared_ffn_hidden) if shape.shared_ffn_hidden else None
+        )
+        # Each row's weight in the load-balancing loss (None: the batch mean); engines set it.
+        self.aux_row_weights: torch.Tensor | None = None
+        # Routed assignments per expert, then dropped ones, since the last `take_router_stats`.
+        self.stats: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, dim = x.shape
+        scores, experts, weights = route(self.router(x), self.top_k)
+        capacity = expert_capacity(self.capacity_factor, seq_len, self.top_k, self.n_experts)
+        keep = capacity_keep(experts, self.n_experts, capacity)
+        self._record(experts, keep)
+        # The kept assignments as flat lists, sorted by expert (stable: position order).
+        token_of = torch.arange(batch * seq_len, device=x.device).repeat_interleave(self.top_k)
+        keep, expert_of, weight_of = keep.flatten(), experts.flatten(), weights.flatten()
+        token_of, expert_of, weight_of = token_of[keep], expert_of[keep], weight_of[keep]
+        order = torch.argsort(expert_of, stable=True)
+        token_of, weight_of = token_of[order], weight_of[order]
+        counts = torch.bincount(expert_of, minlength=self.n_experts)
+        flat = x.reshape(-1, dim)
+        routed = self.experts(flat[token_of], counts) * weight_of[:, None].to(x.dtype)
+        out = torch.zeros_like(flat).index_add(0, token_of, routed).view_as(x)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        if self.aux_loss_coef > 0 and torch.is_grad_enabled():
+            per_row = load_balancing_loss(scores, experts, self.n_experts)
+            row_weights = self.aux_row_weights
+            if row_weights is None:
+                row_weights = torch.full_like(per_row, 1.0 / batch)
+            aux = self.aux_loss_coef * (per_row * row_weights.to(per_row)).sum()
+            out = AuxLossAutoScaler.apply(out, aux)
+        return out
+
+    def _record(self, experts: torch.Tensor, keep: torch.Tensor) -> None:
+        """Add this forward's routing to `stats`; not during backward (activation
+        checkpointing recomputes the forward there, which must not count twice)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        with torch.no_grad():
+            routed = torch.bincount(experts.flatten(), minlength=self.n_experts)
+            dropped = (~keep).sum().reshape(1)
+            current = torch.cat((routed, dropped))
+            self.stats = current if self.stats is None else self.stats + current
+
+
+def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
+    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+
+
+def set_aux_row_weights(model: nn.Module, row_weights: torch.Tensor | None) -> None:
+    """Each row's weight in the next forward's load-balancing loss (None: the batch mean)."""
+    for layer in moe_layers(model):
+        layer.aux_row_weights = row_weights
+
+
+def take_router_stats(model: nn.Module, device: torch.device) -> torch.Tensor | None:
+    """(E + 1,) on `device`: assignments routed to each expert, then dropped ones, summed
+    over this model's MoE layers since the last call (which resets them); None for a dense
+    model."""
+    layers = moe_layers(model)
+    if not layers:
+        return None
+    taken = [layer.stats for layer in layers if layer.stats is not None]
+    for layer in layers:
+        layer.stats = None
+    if not taken:
+        return torch.zeros(layers[0].n_experts + 1, dtype=torch.long, device=device)
+    return torch.stack(taken).sum(dim=0)
