@@ -14,6 +14,11 @@ def build_engine(build: EngineBuild) -> Engine:
         from raytrain_dt.engines.fsdp2 import FSDP2Engine
 
         return FSDP2Engine(build)
+    if cfg.engine.name == "deepspeed" and build.spec.shape.is_moe:
+        raise ValueError(
+            "engine.name: deepspeed does not train mixture-of-experts models "
+            f"({build.spec.name!r}); use fsdp2"
+        )
     if cfg.engine.name == "deepspeed" and layout.dims.pp_enabled:
         from raytrain_dt.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
 

@@ -43,8 +43,8 @@ from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
+from raytrain_dt.engines.moe_step import aux_row_weights, check_moe_layout, reduce_router_stats
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
-from raytrain_dt.engines.router_stats import reduce_router_stats
 from raytrain_dt.models.materialize import materialize
 from raytrain_dt.models.moe import moe_layers, set_aux_row_weights
 from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
@@ -180,9 +180,7 @@ class FSDP2Engine:
         dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
         router = None
         if self._moe:
-            router = reduce_router_stats(
-                self.model, self.device.torch_device, self._tokens_group
-            )
+            router = reduce_router_stats(self.model, self.device.torch_device, self._tokens_group)
         return StepResult(
             loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr, router=router
         )
@@ -197,22 +195,14 @@ class FSDP2Engine:
             self.model.set_requires_gradient_sync(last or not self.layout.grad_sync_deferred)
             tokens = self.device.to_device(tokens)
             if self._moe:
-                set_aux_row_weights(self.model, self._aux_row_weights(rows, len(tokens)))
+                set_aux_row_weights(
+                    self.model, aux_row_weights(self.layout, rows, len(tokens), self.device)
+                )
             with loss_context(self.layout.dims.tp_enabled):
                 loss = micro_step_loss(self._loss, self.model(tokens), tokens, rows, self.layout)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum
-
-    def _aux_row_weights(self, real: torch.Tensor | None, rows: int) -> torch.Tensor:
-        """Each row's weight in this micro-step's load-balancing loss: dp / global batch for a
-        real row (0 for padding), so that, with FSDP's average over DP, every sample of the
-        global batch weighs 1/G, as in the single-process mean (the loss is not divided by the
-        accumulation count: its gradient is added outside the scaled loss, `models.moe`)."""
-        per_row = self.layout.dims.dp / self.layout.global_batch
-        if real is None or not self.layout.padded_slots:
-            return torch.full((rows,), per_row, device=self.device.torch_device)
-        return self.device.to_device(real.float() * per_row)
 
     def _pipeline_micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step; the mean loss, known on every stage of this pipeline."""
@@ -331,20 +321,6 @@ class FSDP2Engine:
             self.model.parameters(), self.cfg.trainer.grad_clip, self.device, self._pp_group
         )
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def check_moe_layout(model: nn.Module, model_name: str, layout) -> None:
-    """The layouts our MoE blocks train under: expert and data parallelism, FSDP, activation
-    checkpointing; not (yet) tensor or pipeline parallelism."""
-    dims = layout.dims
-    if dims.ep_enabled and not expert_modules(model):
-        raise ValueError(
-            f"parallel.ep: model {model_name!r} has no experts to split (ep > 1 needs a "
-            "preset with model.n_experts > 0, such as moe-tiny)"
-        )
-    if moe_layers(model) and (dims.tp_enabled or dims.pp_enabled):
-        axis = "parallel.tp" if dims.tp_enabled else "parallel.pp"
-        raise ValueError(f"{axis}: mixture-of-experts models train with tp=1 and pp=1")
 
 
 def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=None) -> float:

@@ -27,6 +27,7 @@ from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.hf_config import has_weights, load_config, shape_of
 from raytrain_dt.models.materialize import ParamInit
 from raytrain_dt.models.model_spec import ModelParts, ModelSpec
+from raytrain_dt.models.moe import RouterTap
 
 HF_PARTS = ModelParts(
     blocks="model.layers", first=("model.embed_tokens",), last=("model.norm", "lm_head")
@@ -55,6 +56,8 @@ class HFCausalLM(nn.Module):
         self.config = causal_lm.config
         self.model = base
         self.lm_head = causal_lm.lm_head
+        for layer in base.layers.values():
+            tap_moe_block(getattr(layer, "mlp", None), self.config)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         # A pipeline stage holds None for what it does not own (see `ModelParts`).
@@ -68,6 +71,34 @@ class HFCausalLM(nn.Module):
         if base.norm is not None:
             h = base.norm(h)
         return h if self.lm_head is None else self.lm_head(h)
+
+
+def tap_moe_block(block: nn.Module | None, config) -> None:
+    """Give a transformers MoE block (Mixtral, Qwen2/3-MoE: a `gate` router returning
+    (logits, weights, experts) and `experts`) a `models.moe.RouterTap`: its routing is counted
+    into the step's router statistics and its load-balancing loss (transformers' own formula,
+    n_experts * sum_e f_e * P_e, here per sequence, weighted by router_aux_loss_coef) is
+    attached to its output, as for our MoE blocks. transformers adds that loss only in its
+    own forward (`output_router_logits`), which ours replaces. No capacity: none drop."""
+    gate = getattr(block, "gate", None)
+    if gate is None or getattr(block, "experts", None) is None or not hasattr(gate, "top_k"):
+        return
+    n_experts = gate.num_experts
+    block.router_tap = RouterTap(n_experts, getattr(config, "router_aux_loss_coef", 0.0) or 0.0)
+    routing: dict = {}
+
+    def keep_routing(_module, _inputs, output) -> None:
+        routing["logits"], _, routing["experts"] = output
+
+    def attach(module, _inputs, output: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = output.shape
+        scores = torch.softmax(routing.pop("logits").float(), dim=-1).view(batch, seq_len, -1)
+        experts = routing.pop("experts").view(batch, seq_len, -1)
+        module.router_tap.record(experts)
+        return module.router_tap.attach_aux_loss(output, scores, experts)
+
+    gate.register_forward_hook(keep_routing)
+    block.register_forward_hook(attach)
 
 
 @dataclass(frozen=True)
@@ -99,10 +130,15 @@ def hf_param_init(options: HFOptions, name: str, module: nn.Module) -> ParamInit
     if isinstance(module, nn.Embedding):
         padding = () if module.padding_idx is None else (module.padding_idx,)
         return ParamInit.normal(options.init_std, zero_rows=padding)
-    if "RMSNorm" in type(module).__name__ or "LayerNorm" in type(module).__name__:
+    kind = type(module).__name__
+    if "RMSNorm" in kind or "LayerNorm" in kind:
         return ParamInit.ones()
+    # Mixture-of-experts blocks (Mixtral, Qwen-MoE): the stacked experts' 3-D weights and the
+    # router's weight, both normal(initializer_range) as their `_init_weights` draws them.
+    if kind.endswith(("Experts", "TopKRouter")):
+        return ParamInit.normal(options.init_std)
     raise ConfigError(
-        f"model.hf: no initialisation rule for {name} (a {type(module).__name__}); "
+        f"model.hf: no initialisation rule for {name} (a {kind}); "
         "only Llama-family modules are supported"
     )
 

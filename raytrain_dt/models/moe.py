@@ -13,7 +13,7 @@ The load-balancing loss (Switch/Mixtral) of one sequence is n_experts * sum_e f_
 share of its tokens routed to e (before capacity; sums to k) and P_e its mean router score for
 e. It never enters the reported next-token loss or the loss function: `AuxLossAutoScaler`
 attaches it to the block's output (identity forward) and adds its gradient in backward. Each
-row's weight in it (`aux_row_weights`, set by the engine before every micro-step forward) is
+row's weight in it (`RouterTap.row_weights`, set by the engine before every micro-step forward) is
 what makes the summed gradient over micro-steps and DP ranks equal the single-process one (the
 default, None, is the mean over the batch's rows: one forward over the whole batch).
 
@@ -40,9 +40,7 @@ def expert_capacity(capacity_factor: float, seq_len: int, top_k: int, n_experts:
     return math.ceil(capacity_factor * seq_len * top_k / n_experts)
 
 
-def route(
-    logits: torch.Tensor, top_k: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp32 scores (..., E), chosen experts (..., k), their renormalized weights (..., k))."""
     scores = torch.softmax(logits.float(), dim=-1)
     weights, experts = scores.topk(top_k, dim=-1)
@@ -135,6 +133,51 @@ class SharedExpert(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class RouterTap:
+    """One MoE layer's bookkeeping: its router statistics since they were last taken and its
+    load-balancing loss, attached to its output. Held as `router_tap` by our `MoEFeedForward`
+    and by the MoE blocks of Hugging Face models (`models.hf`), which is how `moe_layers`
+    finds them."""
+
+    def __init__(self, n_experts: int, aux_loss_coef: float):
+        self.n_experts = n_experts
+        self.aux_loss_coef = aux_loss_coef
+        # Each row's weight in the load-balancing loss (None: the batch mean); engines set it.
+        self.row_weights: torch.Tensor | None = None
+        # Routed assignments per expert, then dropped ones, since the last `take_router_stats`.
+        self.stats: torch.Tensor | None = None
+
+    def record(self, experts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
+        """Add a forward's routing (`experts` (batch, seq, k), `keep`: the assignments within
+        capacity, None for all) to `stats`; not during backward (activation checkpointing
+        recomputes the forward there, which must not count twice)."""
+        if torch._C._current_graph_task_id() != -1:
+            return
+        with torch.no_grad():
+            routed = torch.bincount(experts.flatten(), minlength=self.n_experts)
+            dropped = (
+                torch.zeros(1, dtype=routed.dtype, device=routed.device)
+                if keep is None
+                else (~keep).sum().reshape(1)
+            )
+            current = torch.cat((routed, dropped))
+            self.stats = current if self.stats is None else self.stats + current
+
+    def attach_aux_loss(
+        self, output: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor
+    ) -> torch.Tensor:
+        """`output`, carrying the gradient of the load-balancing loss of `scores` (batch, seq,
+        E) and `experts` (batch, seq, k), each row weighted by `row_weights`."""
+        if self.aux_loss_coef <= 0 or not torch.is_grad_enabled():
+            return output
+        per_row = load_balancing_loss(scores, experts, self.n_experts)
+        weights = self.row_weights
+        if weights is None:
+            weights = torch.full_like(per_row, 1.0 / per_row.numel())
+        aux = self.aux_loss_coef * (per_row * weights.to(per_row)).sum()
+        return AuxLossAutoScaler.apply(output, aux)
+
+
 class MoEFeedForward(nn.Module):
     """(batch, seq, dim) -> (batch, seq, dim): the routed experts' weighted sum (+ shared)."""
 
@@ -143,23 +186,19 @@ class MoEFeedForward(nn.Module):
         self.n_experts = shape.n_experts
         self.top_k = shape.experts_per_token
         self.capacity_factor = shape.capacity_factor
-        self.aux_loss_coef = shape.router_aux_loss_coef
         self.router = nn.Linear(shape.dim, shape.n_experts, bias=False)
         self.experts = GroupedExperts(shape.n_experts, shape.dim, shape.expert_hidden)
         self.shared_expert = (
             SharedExpert(shape.dim, shape.shared_ffn_hidden) if shape.shared_ffn_hidden else None
         )
-        # Each row's weight in the load-balancing loss (None: the batch mean); engines set it.
-        self.aux_row_weights: torch.Tensor | None = None
-        # Routed assignments per expert, then dropped ones, since the last `take_router_stats`.
-        self.stats: torch.Tensor | None = None
+        self.router_tap = RouterTap(shape.n_experts, shape.router_aux_loss_coef)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
         scores, experts, weights = route(self.router(x), self.top_k)
         capacity = expert_capacity(self.capacity_factor, seq_len, self.top_k, self.n_experts)
         keep = capacity_keep(experts, self.n_experts, capacity)
-        self._record(experts, keep)
+        self.router_tap.record(experts, keep)
         # The kept assignments as flat lists, sorted by expert (stable: position order).
         token_of = torch.arange(batch * seq_len, device=x.device).repeat_interleave(self.top_k)
         keep, expert_of, weight_of = keep.flatten(), experts.flatten(), weights.flatten()
@@ -172,47 +211,34 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(flat).index_add(0, token_of, routed).view_as(x)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        if self.aux_loss_coef > 0 and torch.is_grad_enabled():
-            per_row = load_balancing_loss(scores, experts, self.n_experts)
-            row_weights = self.aux_row_weights
-            if row_weights is None:
-                row_weights = torch.full_like(per_row, 1.0 / batch)
-            aux = self.aux_loss_coef * (per_row * row_weights.to(per_row)).sum()
-            out = AuxLossAutoScaler.apply(out, aux)
-        return out
-
-    def _record(self, experts: torch.Tensor, keep: torch.Tensor) -> None:
-        """Add this forward's routing to `stats`; not during backward (activation
-        checkpointing recomputes the forward there, which must not count twice)."""
-        if torch._C._current_graph_task_id() != -1:
-            return
-        with torch.no_grad():
-            routed = torch.bincount(experts.flatten(), minlength=self.n_experts)
-            dropped = (~keep).sum().reshape(1)
-            current = torch.cat((routed, dropped))
-            self.stats = current if self.stats is None else self.stats + current
+        return self.router_tap.attach_aux_loss(out, scores, experts)
 
 
-def moe_layers(model: nn.Module) -> list[MoEFeedForward]:
-    return [m for m in model.modules() if isinstance(m, MoEFeedForward)]
+def moe_layers(model: nn.Module) -> list[RouterTap]:
+    """The router taps of `model`'s MoE layers (ours and Hugging Face ones alike)."""
+    return [
+        m.router_tap
+        for m in model.modules()
+        if isinstance(getattr(m, "router_tap", None), RouterTap)
+    ]
 
 
 def set_aux_row_weights(model: nn.Module, row_weights: torch.Tensor | None) -> None:
     """Each row's weight in the next forward's load-balancing loss (None: the batch mean)."""
-    for layer in moe_layers(model):
-        layer.aux_row_weights = row_weights
+    for tap in moe_layers(model):
+        tap.row_weights = row_weights
 
 
 def take_router_stats(model: nn.Module, device: torch.device) -> torch.Tensor | None:
     """(E + 1,) on `device`: assignments routed to each expert, then dropped ones, summed
     over this model's MoE layers since the last call (which resets them); None for a dense
     model."""
-    layers = moe_layers(model)
-    if not layers:
+    taps = moe_layers(model)
+    if not taps:
         return None
-    taken = [layer.stats for layer in layers if layer.stats is not None]
-    for layer in layers:
-        layer.stats = None
+    taken = [tap.stats for tap in taps if tap.stats is not None]
+    for tap in taps:
+        tap.stats = None
     if not taken:
-        return torch.zeros(layers[0].n_experts + 1, dtype=torch.long, device=device)
+        return torch.zeros(taps[0].n_experts + 1, dtype=torch.long, device=device)
     return torch.stack(taken).sum(dim=0)

@@ -33,6 +33,9 @@ STEP_FIELDS = (
     "consumed_samples",
     "mfu",
     "global_batch",
+    "expert_tokens",
+    "dropped_tokens",
+    "drop_rate",
 )
 
 

@@ -34,13 +34,10 @@ def expert_modules(model: nn.Module) -> list[GroupedExperts]:
 
 
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> None:
-    """Shard every expert group of `model` (still on the meta device) over `ep_mesh`."""
+    """Shard every expert group of `model` (still on the meta device) over `ep_mesh`; its size
+    divides their number (`engines.fsdp2.check_moe_layout`)."""
     ep = ep_mesh.size()
     for experts in expert_modules(model):
-        if experts.n_experts % ep:
-            raise ValueError(
-                f"parallel.ep: {ep} does not divide model.n_experts={experts.n_experts}"
-            )
         for name, param in list(experts.named_parameters(recurse=False)):
             # src_data_rank=None: no scatter, each rank takes its own slice (a meta tensor here).
             sharded = distribute_tensor(param, ep_mesh, [Shard(0)], src_data_rank=None)

@@ -31,6 +31,11 @@ class StepMetrics:
     # Samples the step trained: the layout's real global batch (smaller than
     # trainer.global_batch under a batch tolerance). None only from test fakes.
     global_batch: int | None = None
+    # Mixture-of-experts models: token copies routed to each expert over the global batch
+    # (summed over MoE layers, before capacity), those dropped for capacity, and their share.
+    expert_tokens: list[int] | None = None
+    dropped_tokens: int | None = None
+    drop_rate: float | None = None
 
 
 @dataclass(frozen=True)

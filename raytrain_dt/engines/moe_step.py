@@ -1,0 +1,58 @@
+"""The engines' side of mixture-of-experts models: the layouts they train under, each row's
+weight in the load-balancing loss, and a step's router statistics over the global batch."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from raytrain_dt.accel.device import DeviceSpec
+from raytrain_dt.engines.base import RouterStats
+from raytrain_dt.models.moe import moe_layers, take_router_stats
+from raytrain_dt.parallel.expert_parallel import expert_modules
+from raytrain_dt.topology.layout import Layout
+
+
+def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
+    """The layouts our MoE blocks train under: expert and data parallelism, FSDP, activation
+    checkpointing; not (yet) tensor or pipeline parallelism."""
+    dims = layout.dims
+    if dims.ep_enabled and not expert_modules(model):
+        raise ValueError(
+            f"parallel.ep: model {model_name!r} has no experts expert parallelism can split "
+            "(ep > 1 needs our decoder with model.n_experts > 0, such as the moe-tiny preset; "
+            "Hugging Face MoE models train at ep=1)"
+        )
+    for experts in expert_modules(model):
+        if experts.n_experts % dims.ep:
+            raise ValueError(
+                f"parallel.ep: {dims.ep} does not divide model.n_experts={experts.n_experts}"
+            )
+    if moe_layers(model) and (dims.tp_enabled or dims.pp_enabled):
+        axis = "parallel.tp" if dims.tp_enabled else "parallel.pp"
+        raise ValueError(f"{axis}: mixture-of-experts models train with tp=1 and pp=1")
+
+
+def aux_row_weights(
+    layout: Layout, real: torch.Tensor | None, rows: int, device: DeviceSpec
+) -> torch.Tensor:
+    """Each row's weight in a micro-step's load-balancing loss: dp / global batch for a real
+    row (0 for padding), so that, with the gradient's average over DP, every sample of the
+    global batch weighs 1/G, as in the single-process mean (the loss is not divided by the
+    accumulation count: its gradient is added outside the scaled loss, `models.moe`)."""
+    per_row = layout.dims.dp / layout.global_batch
+    if real is None or not layout.padded_slots:
+        return torch.full((rows,), per_row, device=device.torch_device)
+    return device.to_device(real.float() * per_row)
+
+
+def reduce_router_stats(model: nn.Module, device: torch.device, group) -> RouterStats | None:
+    """This step's routing over the global batch; None for a dense model. `group`: every
+    rank holding distinct tokens of the batch (dp_cp); one all-reduce over it."""
+    counts = take_router_stats(model, device)
+    if counts is None:
+        return None
+    dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    values = counts.tolist()
+    return RouterStats(tokens_per_expert=values[:-1], dropped=values[-1])
