@@ -15,8 +15,8 @@ from raytrain_dt.topology.layout import Layout
 
 
 def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
-    """The layouts our MoE blocks train under: expert and data parallelism, FSDP, activation
-    checkpointing; not (yet) tensor or pipeline parallelism."""
+    """The layouts MoE models train under: expert and data parallelism, FSDP, activation
+    checkpointing; not (yet) tensor, pipeline or context parallelism."""
     dims = layout.dims
     if dims.ep_enabled and not expert_modules(model):
         raise ValueError(
@@ -29,9 +29,14 @@ def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
             raise ValueError(
                 f"parallel.ep: {dims.ep} does not divide model.n_experts={experts.n_experts}"
             )
-    if moe_layers(model) and (dims.tp_enabled or dims.pp_enabled):
-        axis = "parallel.tp" if dims.tp_enabled else "parallel.pp"
-        raise ValueError(f"{axis}: mixture-of-experts models train with tp=1 and pp=1")
+    # Capacity and the load-balancing loss are per whole sequence (cp splits it); the tensor
+    # and pipeline plans know nothing of the experts yet.
+    refused = [a for a in ("tp", "pp", "cp") if getattr(dims, a) > 1]
+    if moe_layers(model) and refused:
+        raise ValueError(
+            f"parallel.{refused[0]}: mixture-of-experts models train with tp=1, pp=1 and cp=1 "
+            f"(got {refused[0]}={getattr(dims, refused[0])})"
+        )
 
 
 def aux_row_weights(

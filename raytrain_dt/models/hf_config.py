@@ -47,6 +47,15 @@ def shape_of(config) -> ModelShape:
     n_heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     n_experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", 0)
+    moe = {}
+    if n_experts:
+        moe = dict(
+            n_experts=n_experts,
+            experts_per_token=config.num_experts_per_tok,
+            moe_ffn_hidden=getattr(config, "moe_intermediate_size", 0) or 0,
+            shared_ffn_hidden=getattr(config, "shared_expert_intermediate_size", 0) or 0,
+            router_aux_loss_coef=getattr(config, "router_aux_loss_coef", 0.0) or 0.0,
+        )
     return ModelShape(
         dim=config.hidden_size,
         n_layers=config.num_hidden_layers,
@@ -57,9 +66,5 @@ def shape_of(config) -> ModelShape:
         tie_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
         norm_eps=getattr(config, "rms_norm_eps", 1e-6),
         rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)),
-        n_experts=n_experts or 0,
-        experts_per_token=(getattr(config, "num_experts_per_tok", 0) or 0) if n_experts else 0,
-        moe_ffn_hidden=getattr(config, "moe_intermediate_size", 0) or 0,
-        shared_ffn_hidden=getattr(config, "shared_expert_intermediate_size", 0) or 0,
-        router_aux_loss_coef=getattr(config, "router_aux_loss_coef", 0.0) or 0.0,
+        **moe,
     )

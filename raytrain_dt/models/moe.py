@@ -149,11 +149,15 @@ class RouterTap:
 
     def record(self, experts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
         """Add a forward's routing (`experts` (batch, seq, k), `keep`: the assignments within
-        capacity, None for all) to `stats`; not during backward (activation checkpointing
-        recomputes the forward there, which must not count twice)."""
+        capacity, None for all) to `stats`, padding rows left out; not during backward
+        (activation checkpointing recomputes the forward there, which must not count twice)."""
         if torch._C._current_graph_task_id() != -1:
             return
         with torch.no_grad():
+            if self.row_weights is not None:  # a padded layout's padding rows weigh 0
+                real = self.row_weights != 0
+                experts = experts[real]
+                keep = None if keep is None else keep[real]
             routed = torch.bincount(experts.flatten(), minlength=self.n_experts)
             dropped = (
                 torch.zeros(1, dtype=routed.dtype, device=routed.device)

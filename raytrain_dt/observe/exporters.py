@@ -97,6 +97,10 @@ class TensorBoardWriter:
             if key in r:
                 self.writer.add_scalar(f"perf/{key}", r[key], step)
         self.writer.add_scalar("cluster/world_size", r["world_size"], step)
+        if "drop_rate" in r:  # mixture-of-experts runs
+            self.writer.add_scalar("moe/drop_rate", r["drop_rate"], step)
+            for expert, tokens in enumerate(r["expert_tokens"]):
+                self.writer.add_scalar(f"moe/expert{expert}_tokens", tokens, step)
         for rank, (now, peak) in enumerate(zip(r["mem_allocated_bytes"], r["mem_peak_bytes"])):
             if now is not None:
                 self.writer.add_scalar(f"memory/rank{rank}_allocated_gib", now / GIB, step)

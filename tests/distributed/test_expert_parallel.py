@@ -41,6 +41,11 @@ def _layout(activation_checkpointing: bool = False, **degrees) -> Layout:
 
 LAYOUTS = {
     "dp2": _layout(dp_shard=2),
+    # dp=3 does not divide the batch of 8: padding rows weigh 0 in the load-balancing loss
+    # and are not counted in the router statistics.
+    "dp3-padded": Layout(
+        ParallelDims(world_size=3, dp_shard=3), 3, 2, GRAD_ACCUM, real_global_batch=8
+    ),
     "ep2": _layout(dp_shard=2, ep=2),
     # Each ep rank's two experts FSDP-sharded over the two ranks holding them.
     "ep2xdp_shard4": _layout(dp_shard=4, ep=2),

@@ -141,3 +141,55 @@ def test_layouts_an_moe_model_is_refused_in():
         check_moe_layout(dense, "tiny", layout(world=2, dp_shard=2, ep=2))
     with pytest.raises(ValueError, match=r"^parallel\.tp: "):
         check_moe_layout(moe, "moe-tiny", layout(world=2, tp=2))
+    with pytest.raises(ValueError, match=r"^parallel\.cp: "):
+        check_moe_layout(moe, "moe-tiny", layout(world=2, cp=2))
+
+
+def test_router_stats_reach_the_metrics_record_only_for_moe_models():
+    from raytrain_dt.engines.base import RouterStats
+    from raytrain_dt.worker.reports import StepMetrics, StepReport
+    from raytrain_dt.worker.train_loop import router_metrics
+
+    def record(router) -> dict:
+        metrics = StepMetrics(1.0, 1e-3, 0.5, 1.0, 0.0, 100.0, **router_metrics(router))
+        return StepReport(step=1, consumed_samples=8, finished_at=0.0, metrics=metrics).as_record()
+
+    moe = record(RouterStats(tokens_per_expert=[3, 1, 0, 4], dropped=2))
+    assert (moe["expert_tokens"], moe["dropped_tokens"], moe["drop_rate"]) == (
+        [3, 1, 0, 4],
+        2,
+        0.25,
+    )
+    assert not {"expert_tokens", "dropped_tokens", "drop_rate"} & record(None).keys()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "expected"),
+    [
+        (
+            "mixtral",
+            {"num_local_experts": 8, "num_experts_per_tok": 2, "intermediate_size": 96},
+            (8, 2, 96, 0),
+        ),
+        (
+            "qwen2_moe",
+            {
+                "num_experts": 6,
+                "num_experts_per_tok": 4,
+                "moe_intermediate_size": 32,
+                "shared_expert_intermediate_size": 128,
+            },
+            (6, 4, 32, 128),
+        ),
+    ],
+)
+def test_hf_moe_configs_give_the_planner_their_experts(model_type, overrides, expected):
+    pytest.importorskip("transformers")
+    from raytrain_dt.models.hf_config import load_config, shape_of
+
+    base = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    base["num_key_value_heads"] = 2
+    shape = shape_of(load_config(model_type, {**base, **overrides}))
+    got = (shape.n_experts, shape.experts_per_token, shape.expert_hidden, shape.shared_ffn_hidden)
+    assert got == expected
+    assert shape.expert_params_per_layer == expected[0] * 3 * 64 * expected[2]
