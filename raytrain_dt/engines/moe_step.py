@@ -10,7 +10,7 @@ from torch import nn
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.engines.base import RouterStats
 from raytrain_dt.models.moe import moe_layers, take_router_stats
-from raytrain_dt.parallel.expert_parallel import expert_modules
+from raytrain_dt.parallel.expert_parallel import expert_modules, num_experts
 from raytrain_dt.topology.layout import Layout
 
 
@@ -20,14 +20,14 @@ def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
     dims = layout.dims
     if dims.ep_enabled and not expert_modules(model):
         raise ValueError(
-            f"parallel.ep: model {model_name!r} has no experts expert parallelism can split "
-            "(ep > 1 needs our decoder with model.n_experts > 0, such as the moe-tiny preset; "
-            "Hugging Face MoE models train at ep=1)"
+            f"parallel.ep: model {model_name!r} has no experts to split (ep > 1 needs a "
+            "mixture-of-experts model: model.n_experts > 0, such as the moe-tiny preset, or a "
+            "Mixtral / Qwen-MoE model.hf)"
         )
     for experts in expert_modules(model):
-        if experts.n_experts % dims.ep:
+        if num_experts(experts) % dims.ep:
             raise ValueError(
-                f"parallel.ep: {dims.ep} does not divide model.n_experts={experts.n_experts}"
+                f"parallel.ep: {dims.ep} does not divide model.n_experts={num_experts(experts)}"
             )
     # Capacity and the load-balancing loss are per whole sequence (cp splits it); the tensor
     # and pipeline plans know nothing of the experts yet.

@@ -84,7 +84,7 @@ class AuxLossAutoScaler(torch.autograd.Function):
         return grad_output, torch.ones_like(aux_loss)
 
 
-def _local(param: torch.Tensor) -> torch.Tensor:
+def local_experts(param: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a parameter (a DTensor over the ep mesh under expert parallelism)."""
     to_local = getattr(param, "to_local", None)
     return to_local() if to_local is not None else param
@@ -105,12 +105,12 @@ class GroupedExperts(nn.Module):
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """`tokens` (n, dim) sorted by expert, `counts` (E,) per expert -> outputs, same order."""
         if self.dispatcher is not None:
-            return self.dispatcher(self, tokens, counts)
+            return self.dispatcher(tokens, counts, self.compute)
         return self.compute(tokens, counts)
 
     def compute(self, tokens: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Run the experts this rank holds over `tokens` sorted by them (`counts` each)."""
-        w1, w3, w2 = _local(self.w1), _local(self.w3), _local(self.w2)
+        w1, w3, w2 = local_experts(self.w1), local_experts(self.w3), local_experts(self.w2)
         outputs = []
         # A host list of sizes: split needs it (one device sync per layer).
         for e, chunk in enumerate(torch.split(tokens, counts.tolist())):

@@ -1,8 +1,8 @@
 """Hugging Face mixture-of-experts models (Mixtral, Qwen2-MoE; random init from a tiny config,
-nothing downloaded) train under FSDP2 (dp_shard=2, ep=1) like their single-process reference:
-losses and final parameters within 1e-5, router statistics (tokens per expert) equal. Their
-load-balancing loss (router_aux_loss_coef, transformers' formula per sequence) is in both. ep>1
-is refused for them with one line naming parallel.ep.
+nothing downloaded) train under FSDP2 (dp_shard=2) and expert parallelism (ep=2: their fused
+experts split over the ranks) like their single-process reference: losses and final parameters
+within 1e-5, router statistics (tokens per expert) equal. Their load-balancing loss
+(router_aux_loss_coef, transformers' formula per sequence) is in both.
 """
 
 from __future__ import annotations
@@ -37,7 +37,11 @@ MODELS = {
         "shared_expert_intermediate_size": 96,
     },
 }
-FSDP2 = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 2)
+LAYOUTS = {
+    "fsdp2": Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 2),
+    # transformers' fused experts split over the two ranks, tokens moved by all-to-all.
+    "ep2": Layout(ParallelDims(world_size=2, dp_shard=2, ep=2), 3, 2, 2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -66,21 +70,26 @@ def _cfg(token_data, run_dir, model: str):
     )
 
 
+@pytest.fixture(scope="module")
+def references(token_data, tmp_path_factory):
+    """Per model: (config, losses, parameters, router statistics) of the single-process run."""
+    out = {}
+    for model in MODELS:
+        cfg = _cfg(token_data, tmp_path_factory.mktemp(model), model)
+        router: list = []
+        losses, params = reference_run(cfg, STEPS, router_stats=router)
+        out[model] = (cfg, losses, params, router)
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("model", list(MODELS))
-def test_hf_moe_under_fsdp2_equals_single_process(pool, token_data, tmp_path, model):
-    cfg = _cfg(token_data, tmp_path, model)
-    ref_router: list = []
-    ref_losses, ref_params = reference_run(cfg, STEPS, router_stats=ref_router)
+def test_hf_moe_equals_single_process(pool, references, model, layout):
+    cfg, ref_losses, ref_params, ref_router = references[model]
     assert any(".experts.gate_up_proj" in k for k in ref_params)
-    result = pool.run(cfg, FSDP2, STEPS)
+    result = pool.run(cfg, LAYOUTS[layout], STEPS)
     assert result.losses == pytest.approx(ref_losses, abs=1e-5)
     assert result.params.keys() == ref_params.keys()
     for key, value in ref_params.items():
         torch.testing.assert_close(result.params[key], value, atol=1e-5, rtol=0, msg=key)
     assert [[*r.tokens_per_expert, r.dropped] for r in result.router] == ref_router
-
-
-def test_hf_moe_refuses_expert_parallelism(pool, token_data, tmp_path):
-    cfg = _cfg(token_data, tmp_path, "mixtral")
-    with pytest.raises(RuntimeError, match=r"ValueError: parallel\.ep: model 'hf:mixtral' has no"):
-        pool.run(cfg, Layout(ParallelDims(world_size=2, dp_shard=2, ep=2), 3, 2, 2), 1)
