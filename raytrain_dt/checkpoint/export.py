@@ -25,6 +25,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from raytrain_dt.checkpoint.storage import dcp_reader
+from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.hf_config import load_config
 from raytrain_dt.models.hf_weights import hf_name
 from raytrain_dt.models.presets import ModelShape
@@ -54,6 +55,12 @@ class HFFormat:
 
 def preset_format(shape: ModelShape, max_seq_len: int) -> HFFormat:
     """Our decoder (a `model.preset` run) as transformers' LlamaForCausalLM."""
+    if shape.is_moe:
+        # Its stacked experts have no Llama form (Mixtral's fuses w1 and w3 into one tensor).
+        raise ConfigError(
+            "model.preset: a mixture-of-experts preset's checkpoint has no Hugging Face Llama "
+            "form; train a Mixtral or Qwen-MoE through model.hf to export one"
+        )
     skip = frozenset({"output.weight"} if shape.tie_embeddings else ())
     return HFFormat(hf_config(shape, max_seq_len), hf_name, skip)
 

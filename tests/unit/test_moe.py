@@ -193,3 +193,11 @@ def test_hf_moe_configs_give_the_planner_their_experts(model_type, overrides, ex
     got = (shape.n_experts, shape.experts_per_token, shape.expert_hidden, shape.shared_ffn_hidden)
     assert got == expected
     assert shape.expert_params_per_layer == expected[0] * 3 * 64 * expected[2]
+
+
+def test_an_moe_preset_is_not_exported_as_a_llama():
+    from raytrain_dt.checkpoint.export import preset_format
+    from raytrain_dt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^model\.preset: a mixture-of-experts preset"):
+        preset_format(PRESETS["moe-tiny"], 64)
