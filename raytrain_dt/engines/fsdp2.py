@@ -327,12 +327,14 @@ def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=Non
     """Total gradient norm over all shards and pipeline stages; clips in place if max_norm > 0.
     The norm is fp32 on the compute device (it enters the pp all-reduce)."""
     with_grads = [p for p in parameters if p.grad is not None]
-    # Norms are taken per mesh (DTensor ops cannot mix meshes) and combined as plain tensors.
+    # Norms are taken per mesh (DTensor ops cannot mix meshes; expert parallelism's experts
+    # have a mesh of their own) and combined as plain tensors; clipping scales per mesh too.
     by_mesh: dict = {}
     for p in with_grads:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p.grad)
+        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     partial_norms = []
-    for grads in by_mesh.values():
+    for params in by_mesh.values():
+        grads = [p.grad for p in params]
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
         partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     total = (
@@ -346,11 +348,7 @@ def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=Non
         dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
         total = total.sqrt()
     if max_norm > 0:
-        # Takes parameters (it scales p.grad), with the norm over every shard; once per mesh,
-        # as foreach ops cannot mix meshes either (expert parallelism's experts have their own).
-        by_param_mesh: dict = {}
-        for p in with_grads:
-            by_param_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-        for params in by_param_mesh.values():
+        # Takes parameters (it scales p.grad), with the norm over every shard.
+        for params in by_mesh.values():
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
     return float(total)

@@ -201,3 +201,20 @@ def test_an_moe_preset_is_not_exported_as_a_llama():
 
     with pytest.raises(ConfigError, match=r"^model\.preset: a mixture-of-experts preset"):
         preset_format(PRESETS["moe-tiny"], 64)
+
+
+def test_deepspeed_refuses_moe_models(tmp_path):
+    from conftest import REPO
+
+    from raytrain_dt.config import load_config
+    from raytrain_dt.engines.base import EngineBuild
+    from raytrain_dt.engines.factory import build_engine
+
+    cfg = load_config(
+        REPO / "conf" / "test.yaml",
+        [f"run.dir={tmp_path}", "model.preset=moe-tiny", "engine.name=deepspeed"],
+    )
+    layout = Layout(ParallelDims(world_size=2, dp_shard=2), 1, 1, 1)
+    build = EngineBuild(llama_spec(PRESETS["moe-tiny"]), cfg, layout, mesh=None, device=None)
+    with pytest.raises(ValueError, match=r"^engine\.name: deepspeed does not train mixture"):
+        build_engine(build)
