@@ -162,7 +162,7 @@ def test_wandb_offline_run_holds_the_config_every_step_and_the_summary(
         "WANDB_CONFIG_DIR": str(tmp_path / "wandb_config"),
         "WANDB_CACHE_DIR": str(tmp_path / "wandb_cache"),
         "WANDB_DATA_DIR": str(tmp_path / "wandb_data"),
-        # Nothing answers here: an attempt to reach a server would fail the run's logging.
+        # Not W&B's servers, a closed local port: offline mode never asks.
         "WANDB_BASE_URL": "http://127.0.0.1:9",
     }.items():
         monkeypatch.setenv(name, value)

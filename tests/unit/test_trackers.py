@@ -5,6 +5,7 @@ tracker options, refused with one line naming the key and exit code 2."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -178,8 +179,6 @@ def test_the_config_is_flattened_into_params():
         REPO / "conf" / "test.yaml",
         ["chaos=[{at_step: 2, action: kill_rank}]", "comm.env={NCCL_IB_HCA: mlx5}"],
     )
-    import dataclasses
-
     params = flat_params(dataclasses.asdict(cfg))
     assert params["trainer.steps"] == "5"
     assert params["run.name"] == "test"
