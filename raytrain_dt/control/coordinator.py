@@ -82,6 +82,7 @@ from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.observe.progress import progress_display
+from raytrain_dt.observe.trackers import check_installed
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +113,7 @@ class Coordinator:
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> None:
+        check_installed(self.cfg)  # the experiment trackers' packages
         check_credentials(self.checkpoint_root, "checkpoint.dir", CheckpointError)
         existing = self.store.committed()
         if existing and not self.cfg.resume:
