@@ -120,6 +120,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
     if (args.model is None) == (args.params is None):
         raise UserError("plan: give exactly one of --model and --params")
+    if args.model and (args.experts or args.active_experts is not None):
+        raise UserError("--experts/--active-experts: only with --params (a preset has its own)")
     name = args.model or f"{args.params:.3g} params"
     shape = PRESETS[args.model] if args.model else _params_shape(args)
     if (args.nodes is None) == (args.gpus is None):

@@ -220,6 +220,13 @@ def versus(free: Candidate, pinned: Candidate, budget_gb: float) -> str:
         parts.append(
             f"pp={a.dims.pp} (v={a.virtual_stages}) vs {b.dims.pp} (v={b.virtual_stages}): bubble"
         )
+    if a.dims.cp != b.dims.cp:
+        parts.append(
+            f"cp={a.dims.cp} vs {b.dims.cp}: activations per rank, ring traffic and the ranks "
+            "left for data parallelism"
+        )
+    if a.dims.ep != b.dims.ep:
+        parts.append(f"ep={a.dims.ep} vs {b.dims.ep}: expert weights gathered and all-to-alls")
     if a.zero_stage != b.zero_stage:
         parts.append(f"zero={a.zero_stage} vs {b.zero_stage}: data-parallel traffic and memory")
     elif a.dims.dp_replicate != b.dims.dp_replicate:
@@ -259,6 +266,7 @@ def over_budget_term(memory, budget_gb: float) -> str:
 def _structure_of(lay: Layout) -> tuple:
     return (
         lay.dims.shape,
+        lay.dims.ep,
         lay.zero_stage,
         lay.micro_batch,
         lay.activation_checkpointing,

@@ -266,9 +266,10 @@ def _tolerated_dps(global_batch: int, least_batch: int, most: int, pins) -> set[
     return out
 
 
-def _dp_splits(dp, zero, tp, topo, pins):
+def _dp_splits(dp, zero, model_ranks, topo, pins):
     """(dp_replicate, dp_shard) pairs: replicate for zero 0, shard for ZeRO, and for zero 3
-    HSDP (shard inside a node, replicate across nodes) when the DP group spans nodes."""
+    HSDP (shard inside a node, replicate across nodes) when the DP group spans nodes.
+    `model_ranks`: the ranks of one DP index (tp x cp) that a node holds with each."""
     if pins.dp_replicate or pins.dp_shard:
         r = pins.dp_replicate or dp // pins.dp_shard
         s = dp // r
@@ -276,7 +277,7 @@ def _dp_splits(dp, zero, tp, topo, pins):
     if zero == 0:
         return [(dp, 1)]
     splits = [(1, dp)]
-    inner = topo.accelerators_per_node // tp
+    inner = topo.accelerators_per_node // model_ranks
     if zero == 3 and 1 < inner < dp and dp % inner == 0:
         splits.append((dp // inner, inner))
     return splits
@@ -355,7 +356,7 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
             offloads = [False, True] if allow_offload and zero > 0 else [False]
             if pins.offload_optimizer is not None:
                 offloads = [pins.offload_optimizer]
-            splits = _dp_splits(dp, zero, tp, topo, pins)
+            splits = _dp_splits(dp, zero, tp * cp, topo, pins)
             eps = {split: _ep_degrees(shape, split[1], pins) for split in splits}
             choices = [(split, ep) for split in splits for ep in eps[split]]
             for ((dpr, dps), ep), offload, ac in itertools.product(choices, offloads, acs):

@@ -6,14 +6,21 @@ a pinned ep on fewer ranks."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from raytrain_dt.cli import main
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.presets import PRESETS
+from raytrain_dt.sim.costs import Costs
+from raytrain_dt.sim.runner import Setup, scale_config
+from raytrain_dt.sim.sim_planner import SimPlanner
+from raytrain_dt.sim.strategies import _replica_dims
+from raytrain_dt.sim.trace import DOWN, UP, Trace
 from raytrain_dt.topology.calibration import INTER_NODE_BUS_EFFICIENCY, INTRA_NODE_BUS_EFFICIENCY
 from raytrain_dt.topology.cost import (
     attention_share,
@@ -127,15 +134,9 @@ def test_all_to_all_time_grows_when_the_ep_group_crosses_nodes() -> None:
     # In the step: on the critical path, in full; checkpointing repeats the forward two.
     t = estimate_step_time(MIXTRAL, lay, one_node, **kw)
     assert t.ep_comm_s == intra
-    ac = dataclass_replace(lay, activation_checkpointing=True)
+    ac = dataclasses.replace(lay, activation_checkpointing=True)
     assert expert_all_to_all_s(MIXTRAL, ac, one_node, **kw) == pytest.approx(intra * 6 / 4)
     assert expert_all_to_all_s(MIXTRAL, _layout(8, dp_shard=8), one_node, **kw) == 0.0
-
-
-def dataclass_replace(layout: Layout, **changes) -> Layout:
-    import dataclasses
-
-    return dataclasses.replace(layout, **changes)
 
 
 def test_ring_attention_hides_behind_attention_and_cp_splits_the_compute() -> None:
@@ -396,3 +397,37 @@ def test_elastic_replan_keeps_a_pinned_ep_as_an_upper_bound() -> None:
     cfg.parallel.ep = 3
     with pytest.raises(ConfigError, match=r"^parallel\.ep: 3 does not divide model\.n_experts"):
         plan_for_nodes(cfg, MOE_TINY, "GPU", (NodeInfo("n0", 4, 16e9),))
+
+
+def test_simulated_shrink_replans_a_pinned_ep_and_grows_back() -> None:
+    """The simulator plans through the coordinator's `plan_for_nodes`: moe-tiny pinned at ep=4
+    on 2 nodes x 2 GPUs runs at ep=2 on the node left after a loss, and at ep=4 once it is
+    back; every formation's layout record reads back equal."""
+    cfg = scale_config("moe-tiny", 2, 64, 8)
+    cfg.parallel.ep = 4
+    costs = Costs(
+        detection_s=10,
+        replan_s=0,
+        reform_s=20,
+        actor_start_s=30,
+        first_step_extra_s=0,
+        ckpt_save_s=0,
+        ckpt_load_s=5,
+        ckpt_stall_s=0,
+        step_s_by_world={4: 1.0, 2: 2.0},
+    )
+    setup = Setup(SimPlanner(cfg), costs, 2, 2, cfg.elastic, 0)
+    trace = Trace(2, 2000.0, np.array([100.5, 300.0]), np.array([DOWN, UP]), np.array([1, 1]))
+    result = setup.run("ours", trace, ckpt_every=30)
+    eps = [(f["world"], f["layout"]["dims"]["ep"]) for f in result.formations]
+    assert eps == [(4, 4), (2, 2), (4, 4)]
+    for f in result.formations:
+        assert Layout.from_dict(json.loads(json.dumps(f["layout"]))).as_dict() == f["layout"]
+
+
+def test_dp_only_baseline_keeps_the_full_layouts_cp_and_what_ep_its_shards_hold() -> None:
+    full = ParallelDims(16, dp_shard=4, cp=2, tp=2, ep=4)
+    assert _replica_dims(full, 8, 3) == ParallelDims(
+        24, dp_replicate=3, dp_shard=2, cp=2, tp=2, ep=2
+    )
+    assert _replica_dims(full, 16, 1) == full
