@@ -11,12 +11,12 @@ bare parameter count (dense, or a mixture of experts) so the planner can be aske
 that have no preset.
 
 Context parallelism (cp) splits every sequence over cp ranks: each holds seq_len/cp tokens'
-activations, plus the ring's K/V buffers; FSDP2 shards the non-expert states over dp_shard x cp.
+activations, plus the ring's K/V buffers; FSDP2 shards the states over dp_shard x cp.
 Expert parallelism (ep) splits each MoE block's routed experts over ep of the dp_shard ranks,
-which FSDP2 then shards over the remaining dp_shard/ep: a rank's resident expert states are
-1/dp_shard of them either way, but the unsharded copy it gathers for compute (and the gradients
-it holds before reducing them) is 1/ep of the experts. Expert states are replicated over cp
-(the experts' FSDP mesh is dp_shard/ep, not dp_shard x cp).
+which FSDP2 then shards over the remaining dp_shard/ep x cp (the mesh `parallel/device_mesh.py`
+calls dp_shard_mod_ep_cp): a rank's resident expert states are 1/(dp_shard x cp) of them either
+way, but the unsharded copy it gathers for compute (and the gradients it holds before reducing
+them) is 1/ep of the experts.
 """
 
 from __future__ import annotations
@@ -142,22 +142,22 @@ def model_state_bytes(
     ZeRO/FSDP degree (dp_shard). These are the sharded states only (`resident_bytes_per_param`);
     `estimate_memory` adds the transient buffers of forward and backward. FSDP2 shards the
     non-expert states over dp_shard x `cp` (at zero 0 over cp alone), and a rank's `ep`-th of
-    the routed experts over dp_shard / ep (the module docstring)."""
+    the routed experts over dp_shard / ep x cp (the module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
     split = (shape, pp, virtual_stages, pp_layers)
     experts = stage_expert_params(*split) / tp
     dense = stage_params(*split) / tp - experts
+    # FSDP2's shard meshes take in the cp ranks: dp_shard x cp, and dp_shard / ep x cp.
+    over_cp = cp if engine == "fsdp2" else 1
     dense_bytes = resident_bytes_per_param(engine, precision, zero_stage, shard)
-    if engine == "fsdp2" and cp > 1:  # the shard mesh is dp_shard x cp
-        dense_bytes = tuple(b / cp for b in dense_bytes)
+    params, grads, optimizer = (dense * b / over_cp for b in dense_bytes)
     if experts:
         expert_bytes = resident_bytes_per_param(engine, precision, zero_stage, max(1, shard // ep))
         params, grads, optimizer = (
-            dense * d + experts / ep * e for d, e in zip(dense_bytes, expert_bytes, strict=True)
+            total + experts / ep * b / over_cp
+            for total, b in zip((params, grads, optimizer), expert_bytes, strict=True)
         )
-    else:
-        params, grads, optimizer = (dense * d for d in dense_bytes)
     # FSDP2's CPUOffloadPolicy (engine.offload_optimizer) moves the parameter and gradient
     # shards to the host too; they stay priced here as well (conservative: each block's are
     # streamed back for its compute). `host_memory.py` prices their host side.

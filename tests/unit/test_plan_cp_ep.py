@@ -93,6 +93,10 @@ def test_expert_states_divide_by_ep() -> None:
     assert model_state_bytes(MIXTRAL, shard=16, zero_stage=1, ep=2) == pytest.approx(
         model_state_bytes(MIXTRAL, shard=16, zero_stage=1, ep=8)
     )
+    # With cp, FSDP2 shards the experts over dp_shard/ep x cp too (dp_shard_mod_ep_cp).
+    assert model_state_bytes(MIXTRAL, shard=8, zero_stage=1, ep=8, cp=2) == pytest.approx(
+        tuple(x / 2 for x in (p, g, o))
+    )
     # What ep cuts is the unsharded copy a rank gathers (zero 1/2 keep every block's) and the
     # gradients it holds before reducing them: 1/ep of the experts.
     full, _ = working_state_bytes(MIXTRAL, shard=8, zero_stage=1, ep=1)
@@ -319,6 +323,7 @@ def _plan_cli(argv: list[str]) -> int:
             "parallel.cp: 2 is not supported with engine.name=deepspeed",
         ),
         (["--params", "1e9", "--gpus", "8", "--active-experts", "2"], "--active-experts:"),
+        (["--model", "llama-7b", "--gpus", "8", "--experts", "8"], "--experts/--active-experts:"),
         (["--params", "1e9", "--gpus", "8", "--experts", "4", "--active-experts", "5"], "--act"),
     ],
 )
