@@ -145,10 +145,15 @@ def engine_pins(engine: str, pins: LayoutPins) -> LayoutPins:
 
 
 def model_refusal(shape: ModelShape, pins: LayoutPins, cp_attention: bool = True) -> str | None:
-    """Why the model has no structure for the pinned cp or ep, as one line naming the key; None
-    if it has. `cp_attention`: the model's attention can run on a sequence split over cp ranks
+    """Why the model has no structure for the pinned cp or ep (or tp: the tensor-parallel plan
+    covers dense blocks only), as one line naming the key; None if it has. `cp_attention`: the model's attention can run on a sequence split over cp ranks
     (our Llama decoder; not a `model.hf` model)."""
-    cp, ep = pins.cp or 1, pins.ep or 1
+    cp, ep, tp = pins.cp or 1, pins.ep or 1, pins.tp or 1
+    if tp > 1 and shape.is_moe:
+        return (
+            f"parallel.tp: {tp} is not built for mixture-of-experts blocks (model.n_experts="
+            f"{shape.n_experts}): their experts are split by parallel.ep; use parallel.tp=1"
+        )
     if ep > 1 and not shape.is_moe:
         return f"parallel.ep: {ep} needs a mixture-of-experts model; model.n_experts is 0"
     if shape.is_moe and shape.n_experts % ep:

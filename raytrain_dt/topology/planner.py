@@ -509,6 +509,9 @@ def plan(
         # No tensor, context or expert parallelism; pipelines only with ZeRO-1
         # (`engine_refusal`, in `_enumerate`).
         pins = dataclasses.replace(pins, tp=1, cp=1, ep=1)
+    if shape.is_moe:
+        # The tensor-parallel plan covers dense blocks only (`model_refusal`).
+        pins = dataclasses.replace(pins, tp=1)
     if not cp_attention:
         pins = dataclasses.replace(pins, cp=1)
     n, per_node = topology.num_accelerators, topology.accelerators_per_node

@@ -185,6 +185,8 @@ def test_moe_plan_picks_ep_and_says_why() -> None:
     assert d.ep > 1 and d.dp_shard % d.ep == 0 and MIXTRAL.n_experts % d.ep == 0
     assert f"ep={d.ep} splits each block's 8 experts" in p.best.reason
     assert p.best.step_time.ep_comm_s > 0
+    # No tensor parallelism for MoE blocks (not built): no candidate has it.
+    assert all(c.layout.dims.tp == 1 for c in [p.best, *p.alternatives])
     # DeepSpeed has no EP here: it plans without.
     ds = plan(MIXTRAL, Topology(8, 8), global_batch=1024, seq_len=4096, engine="deepspeed")
     assert ds.best.layout.dims.ep == 1
@@ -224,6 +226,13 @@ def test_layout_records_carry_cp_and_ep_and_read_back_equal() -> None:
     ("shape", "pins", "kw", "message"),
     [
         (MOE_TINY, LayoutPins(ep=3), {}, "parallel.ep: 3 does not divide model.n_experts=4"),
+        (
+            MOE_TINY,
+            LayoutPins(tp=2),
+            {},
+            "parallel.tp: 2 is not built for mixture-of-experts blocks (model.n_experts=4): "
+            "their experts are split by parallel.ep; use parallel.tp=1",
+        ),
         (
             PRESETS["tiny"],
             LayoutPins(ep=2),
