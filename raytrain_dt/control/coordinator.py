@@ -56,6 +56,7 @@ from raytrain_dt.control.run_setup import (
     RunResult,
     TrainingFailed,
     check_dataset,
+    check_parallel_pins,
     model_shape,
     open_dataset,
     plan_for_nodes,
@@ -114,6 +115,8 @@ class Coordinator:
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> None:
         check_installed(self.cfg)  # the experiment trackers' packages
+        # cp or ep the model or the engine has no structure for: refused whatever the cluster.
+        check_parallel_pins(self.cfg, self.shape)
         check_credentials(self.checkpoint_root, "checkpoint.dir", CheckpointError)
         existing = self.store.committed()
         if existing and not self.cfg.resume:
