@@ -8,13 +8,15 @@ its model and the labels (the next token of each of its positions) its loss read
 
 Ring attention (`RingAttention`) is exact blockwise attention: the K/V of every rank travel once
 around the cp ring (point-to-point on the cp group, device tensors, each shift posted before the
-block in hand is computed so transfer and compute overlap), each block is attended with the causal
-mask of the two chunks' global positions, and the partial results are merged by the online
-softmax (running max and log-sum-exp), accumulated in fp32. The backward pass sends the K/V round
-again, recomputing each block's probabilities from the saved log-sum-exp, while the gradients of
-each block's K/V travel with it and arrive at their owner after the last hop. Grouped-query
-attention (fewer K/V heads than query heads) is handled by expanding K/V per block and summing
-their gradients back over each group.
+block in hand is computed so transfer and compute overlap), and the partial results are merged
+by the online softmax (running max and log-sum-exp), accumulated in fp32. The split makes every
+block but a rank's own one half-live and unmasked (`_live_part`): only that half is computed, and
+only the own block needs the causal mask of global positions. Scores are computed explicitly per
+block (no fused kernel), in tiles of `TILE_ROWS` query rows, which bounds the transient score
+matrices. The backward pass sends the K/V round again, recomputing each block's probabilities
+from the saved log-sum-exp, while the gradients of each block's K/V travel with it and arrive at
+their owner after the last hop. Grouped-query attention (fewer K/V heads than query heads) is
+handled by expanding K/V per block and summing their gradients back over each group.
 
 torch's own context-parallel API (`torch.distributed.tensor.experimental.context_parallel`) is
 not used: it intercepts only the CUDA SDPA kernels (flash, efficient, cuDNN), not the CPU one, so
@@ -38,6 +40,8 @@ IGNORE_INDEX = -100
 # Point-to-point tags, so the K/V and their gradients in flight at once never cross.
 _KV_TAG = 0
 _GRAD_TAG = 1
+# Query rows attended at once: bounds each block's transient (rows x keys) score matrices.
+TILE_ROWS = 256
 
 
 def chunk_positions(
@@ -118,9 +122,6 @@ class Ring:
             return torch.empty_like(q)
         return RingAttention.apply(q, k, v, self)
 
-    def positions(self, owner: int, local_len: int, device: torch.device) -> torch.Tensor:
-        return chunk_positions(local_len * self.size, self.size, owner, device)
-
 
 class _Shift:
     def __init__(self, works: list, received: torch.Tensor):
@@ -150,13 +151,27 @@ def _fold(grad: torch.Tensor, groups: int) -> torch.Tensor:
     return grad.view(b, h // groups, groups, n, d).sum(dim=2)
 
 
+def _live_part(rank: int, owner: int, local_len: int) -> tuple[slice, slice, bool]:
+    """Which of this rank's query rows attend to which of `owner`'s key columns, and whether
+    that part needs the causal mask. Under the load-balanced split only the own block is
+    diagonal: a lower-indexed owner's first chunk precedes both of ours and its mirror chunk
+    follows both (all rows, first half of the keys, unmasked); a higher-indexed owner's chunks
+    both follow our first chunk and precede our mirror (second half of the rows, all keys)."""
+    everything, chunk = slice(None), local_len // 2
+    if owner == rank:
+        return everything, everything, True
+    if owner < rank:
+        return everything, slice(0, chunk), False
+    return slice(chunk, local_len), everything, False
+
+
 class RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
         local_len = q.shape[2]
         groups = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        q_pos = ring.positions(ring.rank, local_len, q.device)
+        causal = _causal_mask(local_len, ring, q.device)
         qf = q.float()
         rows = q.shape[:3]
         running_max = torch.full(rows, -math.inf, dtype=torch.float32, device=q.device)
@@ -165,19 +180,25 @@ class RingAttention(torch.autograd.Function):
         block = torch.stack((k, v))
         for step in range(ring.size):
             shift = ring.shift(block, _KV_TAG) if step < ring.size - 1 else None
-            owner = (ring.rank - step) % ring.size
-            k_b, v_b = _expand(block, groups)
-            scores = _masked_scores(
-                qf, k_b, scale, q_pos, ring.positions(owner, local_len, q.device)
+            q_rows, k_cols, masked = _live_part(
+                ring.rank, (ring.rank - step) % ring.size, local_len
             )
-            # The first block is this rank's own, which holds every query's diagonal: each
-            # row's max is finite from then on, so the rescaling below never sees -inf - -inf.
-            new_max = torch.maximum(running_max, scores.amax(dim=-1))
-            rescale = torch.exp(running_max - new_max)
-            probs = torch.exp(scores - new_max.unsqueeze(-1))
-            running_sum = running_sum * rescale + probs.sum(dim=-1)
-            acc = acc * rescale.unsqueeze(-1) + probs @ v_b
-            running_max = new_max
+            k_b, v_b = _expand(block[:, :, :, k_cols], groups)
+            for tile in _row_tiles(q_rows, local_len):
+                scores = (qf[:, :, tile] @ k_b.transpose(-1, -2)) * scale
+                if masked:
+                    scores = scores.masked_fill(causal[tile], -math.inf)
+                # The first block is this rank's own, which holds every query's diagonal: each
+                # row's max is finite from then on, so the rescaling never sees -inf - -inf.
+                old_max = running_max[:, :, tile]
+                new_max = torch.maximum(old_max, scores.amax(dim=-1))
+                rescale = torch.exp(old_max - new_max)
+                probs = torch.exp(scores - new_max.unsqueeze(-1))
+                del scores
+                running_sum[:, :, tile] = running_sum[:, :, tile] * rescale + probs.sum(dim=-1)
+                acc[:, :, tile] = acc[:, :, tile] * rescale.unsqueeze(-1) + probs @ v_b
+                running_max[:, :, tile] = new_max
+                del probs
             if shift is not None:
                 block = shift.wait()
         out = acc / running_sum.unsqueeze(-1)
@@ -193,7 +214,7 @@ class RingAttention(torch.autograd.Function):
         local_len = q.shape[2]
         groups = q.shape[1] // k.shape[1]
         scale = 1.0 / math.sqrt(q.shape[-1])
-        q_pos = ring.positions(ring.rank, local_len, q.device)
+        causal = _causal_mask(local_len, ring, q.device)
         qf, dout = q.float(), grad_out.float()
         # D_i = sum_j P_ij dP_ij = dO_i . O_i (the softmax backward's row term).
         delta = (dout * out).sum(dim=-1, keepdim=True)
@@ -204,19 +225,30 @@ class RingAttention(torch.autograd.Function):
         grad_shift = None
         for step in range(ring.size):
             shift = ring.shift(block, _KV_TAG) if step < ring.size - 1 else None
-            owner = (ring.rank - step) % ring.size
-            k_b, v_b = _expand(block, groups)
-            scores = _masked_scores(
-                qf, k_b, scale, q_pos, ring.positions(owner, local_len, q.device)
+            q_rows, k_cols, masked = _live_part(
+                ring.rank, (ring.rank - step) % ring.size, local_len
             )
-            probs = torch.exp(scores - lse.unsqueeze(-1))
-            grad_v = probs.transpose(-1, -2) @ dout
-            grad_scores = probs * (dout @ v_b.transpose(-1, -2) - delta)
-            dq += (grad_scores @ k_b) * scale
-            grad_k = (grad_scores.transpose(-1, -2) @ qf) * scale
+            k_b, v_b = _expand(block[:, :, :, k_cols], groups)
+            grad_k = torch.zeros_like(k_b)
+            grad_v = torch.zeros_like(v_b)
+            for tile in _row_tiles(q_rows, local_len):
+                q_t, dout_t = qf[:, :, tile], dout[:, :, tile]
+                scores = (q_t @ k_b.transpose(-1, -2)) * scale
+                if masked:
+                    scores = scores.masked_fill(causal[tile], -math.inf)
+                probs = torch.exp(scores - lse[:, :, tile].unsqueeze(-1))
+                del scores
+                grad_v += probs.transpose(-1, -2) @ dout_t
+                grad_scores = probs * (dout_t @ v_b.transpose(-1, -2) - delta[:, :, tile])
+                del probs
+                dq[:, :, tile] += (grad_scores @ k_b) * scale
+                grad_k += (grad_scores.transpose(-1, -2) @ q_t) * scale
+                del grad_scores
             if grad_shift is not None:
                 grad_block = grad_shift.wait()
-            grad_block = grad_block + torch.stack((_fold(grad_k, groups), _fold(grad_v, groups)))
+            grad_block[:, :, :, k_cols] += torch.stack(
+                (_fold(grad_k, groups), _fold(grad_v, groups))
+            )
             grad_shift = ring.shift(grad_block, _GRAD_TAG)
             if shift is not None:
                 block = shift.wait()
@@ -224,12 +256,17 @@ class RingAttention(torch.autograd.Function):
         return dq.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
 
 
-def _masked_scores(
-    q: torch.Tensor, k: torch.Tensor, scale: float, q_pos: torch.Tensor, k_pos: torch.Tensor
-) -> torch.Tensor:
-    """Scaled q·k scores with -inf where the key's global position follows the query's."""
-    scores = (q @ k.transpose(-1, -2)) * scale
-    return scores.masked_fill(k_pos.unsqueeze(0) > q_pos.unsqueeze(1), -math.inf)
+def _row_tiles(rows: slice, local_len: int) -> list[slice]:
+    """`rows` of the local queries in tiles of at most `TILE_ROWS`: a block's transient score
+    matrices then hold TILE_ROWS rows, not the whole local sequence's."""
+    start, stop, _ = rows.indices(local_len)
+    return [slice(i, min(i + TILE_ROWS, stop)) for i in range(start, stop, TILE_ROWS)]
+
+
+def _causal_mask(local_len: int, ring: Ring, device: torch.device) -> torch.Tensor:
+    """True where a key of this rank's own block follows the query (global positions)."""
+    pos = chunk_positions(local_len * ring.size, ring.size, ring.rank, device)
+    return pos.unsqueeze(0) > pos.unsqueeze(1)
 
 
 def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) -> None:

@@ -3,8 +3,9 @@
 Four spawned gloo ranks build the same random (batch, heads, seq, head_dim) q, k, v; each takes
 its load-balanced chunks (`chunk_positions`), runs `RingAttention` over a cp group (the whole
 world for cp=4, two pairs for cp=2), and compares its output rows and its q/k/v gradient rows
-with those of `F.scaled_dot_product_attention` over the whole sequence, within 1e-6 (fp32), for
-multi-head and grouped-query (fewer K/V heads) attention.
+with those of `F.scaled_dot_product_attention` over the whole sequence, within 1e-6 absolute plus
+1e-5 relative (fp32 sums in another order), for multi-head and grouped-query (fewer K/V heads)
+attention, with the query rows in one tile and in several.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ import traceback
 import pytest
 
 WORLD = 4
-# (heads, kv_heads): multi-head and grouped-query attention.
-HEADS = ((4, 4), (4, 2))
+ATOL, RTOL = 1e-6, 1e-5
+# (heads, kv_heads, query rows per tile): multi-head and grouped-query attention, each local
+# sequence in one tile and in tiles of 3 rows (which do not divide it).
+CASES = ((4, 4, 256), (4, 2, 256), (4, 4, 3), (4, 2, 3))
 
 
 def _check_rank(rank: int, port: int, queue) -> None:
@@ -27,6 +30,7 @@ def _check_rank(rank: int, port: int, queue) -> None:
         import torch.distributed as dist
         import torch.nn.functional as F
 
+        from raytrain_dt.parallel import context_parallel
         from raytrain_dt.parallel.context_parallel import Ring, chunk_positions
 
         torch.set_num_threads(1)
@@ -41,7 +45,8 @@ def _check_rank(rank: int, port: int, queue) -> None:
         worst = 0.0
         for cp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
             ring = Ring(group)
-            for heads, kv_heads in HEADS:
+            for heads, kv_heads, tile_rows in CASES:
+                context_parallel.TILE_ROWS = tile_rows
                 gen = torch.Generator().manual_seed(1000 * cp + heads + kv_heads)
                 seq = 8 * cp
                 q = torch.randn(2, heads, seq, 16, generator=gen, requires_grad=True)
@@ -61,7 +66,9 @@ def _check_rank(rank: int, port: int, queue) -> None:
                     for mine, whole in zip(local, (q, k, v), strict=True)
                 ]
                 for mine, expected in pairs_to_check:
-                    worst = max(worst, float((mine - expected).abs().max()))
+                    # fp32 rounding of sums in another order: 1e-6 absolute, 1e-5 relative.
+                    excess = (mine - expected).abs() / (ATOL + RTOL * expected.abs())
+                    worst = max(worst, float(excess.max()))
         dist.destroy_process_group()
         queue.put((rank, worst, None))
     except BaseException:
@@ -88,4 +95,4 @@ def test_ring_attention_equals_full_attention():
     errors = [err for _, _, err in results if err]
     assert not errors, "\n".join(errors)
     worst = max(w for _, w, _ in results)
-    assert worst < 1e-6, worst
+    assert worst <= 1.0, worst
