@@ -249,10 +249,12 @@ class RingAttention(torch.autograd.Function):
             grad_block[:, :, :, k_cols] += torch.stack(
                 (_fold(grad_k, groups), _fold(grad_v, groups))
             )
-            grad_shift = ring.shift(grad_block, _GRAD_TAG)
+            if ring.size > 1:
+                grad_shift = ring.shift(grad_block, _GRAD_TAG)
             if shift is not None:
                 block = shift.wait()
-        grad_kv = grad_shift.wait()
+        # A ring of one (blockwise attention without a split) keeps its own gradients.
+        grad_kv = grad_block if grad_shift is None else grad_shift.wait()
         return dq.to(q.dtype), grad_kv[0].to(k.dtype), grad_kv[1].to(v.dtype), None
 
 

@@ -1,8 +1,8 @@
-"""Ring attention equals full causal SDPA, forward and gradients, on 2 and 4 cp ranks.
+"""Ring attention equals full causal SDPA, forward and gradients, on 1, 2 and 4 cp ranks.
 
 Four spawned gloo ranks build the same random (batch, heads, seq, head_dim) q, k, v; each takes
 its load-balanced chunks (`chunk_positions`), runs `RingAttention` over a cp group (the whole
-world for cp=4, two pairs for cp=2), and compares its output rows and its q/k/v gradient rows
+world for cp=4, two pairs for cp=2, each rank alone for cp=1), and compares its output rows and its q/k/v gradient rows
 with those of `F.scaled_dot_product_attention` over the whole sequence, within 1e-6 absolute plus
 1e-5 relative (fp32 sums in another order), for multi-head and grouped-query (fewer K/V heads)
 attention, with the query rows in one tile and in several.
@@ -41,9 +41,11 @@ def _check_rank(rank: int, port: int, queue) -> None:
             world_size=WORLD,
             timeout=datetime.timedelta(seconds=60),
         )
+        singles = [dist.new_group([r]) for r in range(WORLD)]
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         worst = 0.0
-        for cp, group in ((2, pairs[rank // 2]), (4, dist.group.WORLD)):
+        # A ring of one too: blockwise attention over the whole sequence, no transfer.
+        for cp, group in ((1, singles[rank]), (2, pairs[rank // 2]), (4, dist.group.WORLD)):
             ring = Ring(group)
             for heads, kv_heads, tile_rows in CASES:
                 context_parallel.TILE_ROWS = tile_rows
