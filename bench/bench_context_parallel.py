@@ -7,9 +7,10 @@ one step (which creates the optimizer's states), then measures a second: its pea
 bytes minus what it held before the step (its parameter and optimizer shards) minus its
 gradient shards is the step's activation memory, including FSDP's transiently gathered block
 parameters (a few MB here). Beside it: the planner's activation estimate
-(`topology.memory.estimate_memory`, which assumes a fused attention kernel). Until the planner
-takes cp into account its figure does not change with cp; the comparison then uses its figure
-divided by cp (`planner_divides_by_cp`).
+(`topology.memory.estimate_memory`, which assumes a fused attention kernel; at cp > 1 it
+holds seq_len/cp tokens' activations plus the ring's K/V buffers). A planner that did not take
+cp into account would give the same figure at every cp; the comparison would then use it
+divided by cp and say so (`planner_divides_by_cp`).
 
 The emulated device has no fused SDPA kernel: SDPA there runs its math path, which keeps every
 layer's seq x seq probabilities, so that cp=1 row is shown for information only. The targets

@@ -27,6 +27,8 @@ CP_LAYOUTS = {
     "cp2xdp2": _layout(dp_shard=2, cp=2),
     "cp2xtp2+sp": _layout(cp=2, tp=2, sequence_parallel=True),
     "cp2xpp2": _layout(pp=2, cp=2, pp_schedule="1f1b"),
+    # Activation checkpointing recomputes each block's forward, ring included, in backward.
+    "cp2+ac": _layout(cp=2, activation_checkpointing=True),
     # 10 slots for 8 samples (as the matrix's tp2+sp-padded): per-row losses over cp shards.
     "cp2-padded": Layout(
         ParallelDims(world_size=2, cp=2), 3, 5, GRAD_ACCUM, real_global_batch=GLOBAL_BATCH
