@@ -587,11 +587,6 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             f"parallel.cp: {par.cp} does not split data.seq_len={cfg.data.seq_len} into "
             f"2 x cp = {2 * par.cp} equal chunks"
         )
-    if par.cp and par.cp > 1 and cfg.model.hf:
-        raise ConfigError(
-            f"parallel.cp: {par.cp} needs ring attention, which model.hf models do not have "
-            "(use a preset, or parallel.cp=1)"
-        )
     for name in cfg.cluster.forward_env:
         if not ENV_NAME.fullmatch(name):
             raise ConfigError(

@@ -11,14 +11,11 @@ refuse host tensors as NCCL does, so every tensor entering the ring is on the de
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 from matrix import GLOBAL_BATCH, STEPS, cfg, pool, reference
 from test_engine_matrix import GRAD_ACCUM, LAYOUTS, _assert_equals_reference, _layout
 
-from raytrain_dt.errors import ConfigError
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
@@ -57,15 +54,3 @@ def test_cp_checkpoint_resumes_without_cp(pool, cfg, reference, tmp_path):
     assert second.losses == pytest.approx(reference[0][3:], abs=1e-5)
     for key, value in reference[1].items():
         torch.testing.assert_close(second.params[key], value, atol=1e-5, rtol=0, msg=key)
-
-
-def test_cp_with_a_hf_model_is_refused_naming_the_key(cfg):
-    from raytrain_dt.config.schema import validate
-
-    hf = dataclasses.replace(
-        cfg,
-        model=dataclasses.replace(cfg.model, hf="some/dir"),
-        parallel=dataclasses.replace(cfg.parallel, cp=2),
-    )
-    with pytest.raises(ConfigError, match=r"^parallel\.cp: 2 needs ring attention"):
-        validate(hf)
