@@ -49,6 +49,7 @@ bench: install
 	@mkdir -p runs && date +%s > runs/.bench_started
 	-$(PY) bench/bench_planner.py
 	-$(PY) bench/bench_memory.py
+	-$(PY) bench/bench_context_parallel.py
 	-$(PY) bench/bench_model_build.py
 	-$(PY) bench/bench_checkpoint.py
 	-$(PY) bench/bench_simulator.py

@@ -86,6 +86,29 @@ def _doc(cls: type) -> str:
     return "" if doc.startswith(f"{cls.__name__}(") else doc  # dataclass's generated signature
 
 
+def _nested(f: dataclasses.Field) -> type | None:
+    """The dataclass a field holds a section of its own of (`metrics.mlflow`), if any."""
+    if f.default_factory is dataclasses.MISSING:
+        return None
+    value = f.default_factory()
+    return type(value) if dataclasses.is_dataclass(value) else None
+
+
+def _section(cls: type, title: str, prefix: str, intro: str, heading: str) -> list[str]:
+    """A section's table, then a section below it for each field that is one of its own."""
+    lines = ["", f"{heading} `{title}`", ""]
+    intro = " ".join(t for t in (intro, _doc(cls)) if t)
+    if intro:
+        lines += [intro, ""]
+    fields = list(dataclasses.fields(cls))
+    lines += [*_HEADER, *_rows(cls, fields, prefix)]
+    for f in fields:
+        if (sub := _nested(f)) is not None:
+            key = f"{prefix}{f.name}"
+            lines += _section(sub, key, f"{key}.", "", heading + "#")
+    return lines
+
+
 def render() -> str:
     lines = [
         "# Config reference",
@@ -106,13 +129,8 @@ def render() -> str:
         else:
             top_level.append(f)
             continue
-        lines += ["", f"## `{f.name}`", ""]
-        intro = " ".join(
-            t for t in (field_comments(schema.TrainConfig).get(f.name, ""), _doc(cls)) if t
-        )
-        if intro:
-            lines += [intro, ""]
-        lines += [*_HEADER, *_rows(cls, list(dataclasses.fields(cls)), prefix)]
+        intro = field_comments(schema.TrainConfig).get(f.name, "")
+        lines += _section(cls, f.name, prefix, intro, "##")
     if top_level:
         lines += ["", "## Top-level keys", "", *_HEADER, *_rows(schema.TrainConfig, top_level, "")]
     return "\n".join(lines) + "\n"

@@ -318,6 +318,54 @@ class CommConfig:
 
 
 @dataclass
+class MlflowConfig:
+    """Logged by the driver (`observe/trackers.py`): the resolved config as params, per step
+    loss, lr, grad norm, tokens/s, MFU and world size, and per event recoveries and goodput."""
+
+    # MLflow tracking server (http://HOST:5000) or store (sqlite:///mlflow.db) to log the run
+    # to; null: no MLflow. Needs the mlflow package (`pip install "raytrain_dt[trackers]"`);
+    # credentials come from MLflow's own environment variables (MLFLOW_TRACKING_TOKEN, ...).
+    tracking_uri: str | None = None
+    # Experiment the run is logged under; created when it does not exist.
+    experiment: str = "raytrain_dt"
+    # Name of the MLflow run; null: run.name. A driver that resumes the run directory logs to
+    # the same MLflow run.
+    run_name: str | None = None
+
+
+@dataclass
+class WandbConfig:
+    """Logged by the driver, as for MLflow; W&B plots the metrics against `step`."""
+
+    # Log the run to Weights & Biases. Needs the wandb package (`raytrain_dt[trackers]`).
+    enabled: bool = False
+    # online (needs `wandb login` or WANDB_API_KEY), offline (files under metrics.wandb.dir
+    # only, no network; upload later with `wandb sync`) or disabled; null: W&B's own choice
+    # (WANDB_MODE, else online).
+    mode: str | None = None
+    # W&B project.
+    project: str = "raytrain_dt"
+    # W&B entity (user or team); null: the account's default.
+    entity: str | None = None
+    # Name of the W&B run; null: run.name. A driver that resumes the run directory logs to the
+    # same W&B run.
+    run_name: str | None = None
+    # Where W&B keeps its files (a wandb/ folder in it); null: run.dir.
+    dir: str | None = None
+
+
+@dataclass
+class MetricsConfig:
+    """Experiment trackers the driver logs the run to, besides metrics.jsonl (see
+    docs/observability.md); none by default."""
+
+    # MLflow, on when metrics.mlflow.tracking_uri is set.
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    # Weights & Biases, on when metrics.wandb.enabled is true.
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
 class ChaosAction:
     """Deterministic fault injection for tests and demos."""
 
@@ -346,6 +394,7 @@ class TrainConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     elastic: ElasticConfig = field(default_factory=ElasticConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     chaos: list[ChaosAction] = field(default_factory=list)
     # Seconds added to every step while chaos is configured, so that faults a few steps apart
     # play out one after another (a node arrival takes seconds; tiny CPU steps take 0.1 s).
@@ -367,6 +416,7 @@ _CHOICES: dict[str, tuple[Any, ...]] = {
     "data.format": ("auto", "parquet", "json", "text", "hf"),
     "comm.network": ("auto", "ib", "socket"),
     "comm.debug": ("VERSION", "WARN", "INFO", "TRACE"),
+    "metrics.wandb.mode": (None, "online", "offline", "disabled"),
 }
 
 # Accepted by the schema (the planner reasons about them) but not yet run by the engines.
@@ -448,8 +498,10 @@ ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _get(cfg: TrainConfig, dotted: str) -> Any:
-    section, key = dotted.split(".")
-    return getattr(getattr(cfg, section), key)
+    value: Any = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
 
 
 def validate(cfg: TrainConfig) -> TrainConfig:
@@ -543,4 +595,11 @@ def validate(cfg: TrainConfig) -> TrainConfig:
     for name in cfg.comm.env:
         if not ENV_NAME.fullmatch(name):
             raise ConfigError(f"comm.env.{name}: not a valid environment variable name")
+    for key in (
+        "metrics.mlflow.tracking_uri",
+        "metrics.mlflow.experiment",
+        "metrics.wandb.project",
+    ):
+        if _get(cfg, key) == "":
+            raise ConfigError(f"{key}: must not be empty")
     return cfg

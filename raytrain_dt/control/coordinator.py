@@ -56,6 +56,7 @@ from raytrain_dt.control.run_setup import (
     RunResult,
     TrainingFailed,
     check_dataset,
+    check_parallel_pins,
     model_shape,
     open_dataset,
     plan_for_nodes,
@@ -82,6 +83,7 @@ from raytrain_dt.observe.exporters import default_sinks
 from raytrain_dt.observe.logs import setup_driver_logging
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.observe.progress import progress_display
+from raytrain_dt.observe.trackers import check_installed
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,9 @@ class Coordinator:
 
     # --- before any actor starts: everything that can be wrong with the input ----------------
     def _prepare(self) -> None:
+        check_installed(self.cfg)  # the experiment trackers' packages
+        # cp or ep the model or the engine has no structure for: refused whatever the cluster.
+        check_parallel_pins(self.cfg, self.shape)
         check_credentials(self.checkpoint_root, "checkpoint.dir", CheckpointError)
         existing = self.store.committed()
         if existing and not self.cfg.resume:

@@ -24,6 +24,7 @@ from raytrain_dt.topology.layout import Layout
 # The driver's planning (also the simulator's, without Ray) lives in topology/run_plan.py; the
 # coordinator and recovery import it through here with the rest of the run's set-up.
 from raytrain_dt.topology.run_plan import (  # noqa: F401
+    check_parallel_pins,
     choose_layout,
     plan_for_nodes,
     planned_checkpoint_bytes,

@@ -46,15 +46,24 @@ class EngineBuild:
 class RouterStats:
     """A mixture-of-experts step's routing over the global batch, summed over MoE layers."""
 
-    # Token copies (assignments: k per token and layer) routed to each expert, before capacity.
+    # Token copies (assignments: k per token and MoE layer) each expert accepted and ran.
     tokens_per_expert: list[int]
     # Assignments an expert refused for capacity (their expert output is zero).
     dropped: int
 
     @property
     def drop_rate(self) -> float:
-        routed = sum(self.tokens_per_expert)
+        """Dropped share of all routed assignments (accepted + dropped)."""
+        routed = sum(self.tokens_per_expert) + self.dropped
         return self.dropped / routed if routed else 0.0
+
+    def as_record(self) -> dict:
+        """metrics.jsonl's `router` field."""
+        return {
+            "tokens_per_expert": self.tokens_per_expert,
+            "dropped": self.dropped,
+            "drop_rate": self.drop_rate,
+        }
 
 
 @dataclass(frozen=True)

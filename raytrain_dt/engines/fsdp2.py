@@ -48,6 +48,7 @@ from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.models.materialize import materialize
 from raytrain_dt.models.moe import moe_layers, set_aux_row_weights
 from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
+from raytrain_dt.parallel.context_parallel import ContextShardLoss, shard_batch
 from raytrain_dt.parallel.device_mesh import expert_fsdp_mesh
 from raytrain_dt.parallel.expert_parallel import apply_expert_parallel, expert_modules
 from raytrain_dt.parallel.pipeline_parallel import (
@@ -80,6 +81,11 @@ class FSDP2Engine:
         # Which modules are blocks, ends, TP plan and loss.
         self.spec = spec = build.spec
         self._loss = self.spec.loss_fn()
+        # Context parallelism: this rank feeds its chunks of each sequence and scores their
+        # next tokens; the loss is then reduced over the cp ranks too.
+        self._cp_rank = mesh["cp"].get_local_rank() if layout.dims.cp_enabled else 0
+        if layout.dims.cp_enabled:
+            self._loss = ContextShardLoss(cfg.data.seq_len, layout.dims.cp)
         self.pipeline: Pipeline | None = None
         self._pp_group = None
         weights = build.initial_weights()
@@ -111,7 +117,7 @@ class FSDP2Engine:
             model = StageUnion(parts, self.spec.parts)
         self.model = model
         self.optimizer = build_adamw(model, self.cfg.trainer)
-        self._dp_group = mesh["dp"].get_group()
+        self._loss_group = mesh["dp_cp" if layout.dims.cp_enabled else "dp"].get_group()
         self._moe = bool(moe_layers(model))
         # Router statistics sum over every rank holding distinct tokens of the batch.
         self._tokens_group = mesh["dp_cp"].get_group() if self._moe else None
@@ -120,6 +126,9 @@ class FSDP2Engine:
         """TP, then activation checkpointing, then FSDP over the DP mesh (one pipeline stage,
         still on the meta device)."""
         layout, mesh, device = self.layout, self.mesh, self.device
+        # Before TP: sequence parallelism then splits this rank's positions, not the sequence.
+        if layout.dims.cp_enabled:
+            self.spec.apply_context_parallel(model, mesh["cp"], self.cfg.data.seq_len)
         if layout.dims.tp_enabled:
             self.spec.apply_tensor_parallel(model, mesh["tp"], layout.sequence_parallel)
         if layout.dims.ep_enabled:
@@ -176,14 +185,23 @@ class FSDP2Engine:
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         # Every micro-batch has the same number of tokens (padding weighted as in
-        # `micro_step_loss`), so the global-batch mean is the mean of the per-rank means over DP.
-        dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._dp_group)
+        # `micro_step_loss`), so the global-batch mean is the mean of the per-rank means over DP
+        # (and over cp, whose ranks' losses are scaled by cp: `ContextShardLoss`).
+        dist.all_reduce(global_loss, op=dist.ReduceOp.SUM, group=self._loss_group)
+        dims = self.layout.dims
         router = None
         if self._moe:
             router = reduce_router_stats(self.model, self.device.torch_device, self._tokens_group)
         return StepResult(
-            loss=float(global_loss) / self.layout.dims.dp, grad_norm=grad_norm, lr=lr, router=router
+            loss=float(global_loss) / (dims.dp * dims.cp), grad_norm=grad_norm, lr=lr, router=router
         )
+
+    def _inputs_and_targets(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the model reads and what its loss scores: the tokens themselves, or under
+        context parallelism this rank's chunks and their next-token labels."""
+        if not self.layout.dims.cp_enabled:
+            return tokens, tokens
+        return shard_batch(tokens, self.layout.dims.cp, self._cp_rank)
 
     def _micro_steps(self, micro_batches: list[torch.Tensor], real: list) -> torch.Tensor:
         """Forward/backward per micro-batch; this rank's mean loss (fp32, on the device: it
@@ -193,13 +211,13 @@ class FSDP2Engine:
         for i, (tokens, rows) in enumerate(zip(micro_batches, real, strict=True)):
             last = i == accum - 1
             self.model.set_requires_gradient_sync(last or not self.layout.grad_sync_deferred)
-            tokens = self.device.to_device(tokens)
+            inputs, targets = self._inputs_and_targets(self.device.to_device(tokens))
             if self._moe:
                 set_aux_row_weights(
                     self.model, aux_row_weights(self.layout, rows, len(tokens), self.device)
                 )
             with loss_context(self.layout.dims.tp_enabled):
-                loss = micro_step_loss(self._loss, self.model(tokens), tokens, rows, self.layout)
+                loss = micro_step_loss(self._loss, self.model(inputs), targets, rows, self.layout)
                 (loss / accum).backward()
             loss_sum += loss.detach().float()
         return loss_sum / accum
@@ -207,8 +225,14 @@ class FSDP2Engine:
     def _pipeline_micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step; the mean loss, known on every stage of this pipeline."""
         with loss_context(self.layout.dims.tp_enabled):
-            tokens = [self.device.to_device(m) for m in micro_batches]
-            return shared_pipeline_loss(self.pipeline, tokens, self._pp_group, self.device)
+            pairs = [self._inputs_and_targets(self.device.to_device(m)) for m in micro_batches]
+            return shared_pipeline_loss(
+                self.pipeline,
+                [inputs for inputs, _ in pairs],
+                self._pp_group,
+                self.device,
+                targets=[targets for _, targets in pairs],
+            )
 
     # --- checkpoint state ----------------------------------------------------------------------
     _stager: ReusableStager | None = None  # created by the first async save, then reused

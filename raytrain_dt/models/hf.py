@@ -159,6 +159,8 @@ def hf_spec(source: str, overrides: dict | None = None, init: str = "auto") -> M
         options=HFOptions(source, overrides, getattr(config, "initializer_range", None) or 0.02),
         parts=HF_PARTS,
         tensor_parallel="raytrain_dt.parallel.hf_tensor_parallel:apply_hf_tensor_parallel",
+        # transformers' attention takes the whole sequence; no ring for it (yet).
+        context_parallel=None,
         vocab_size=config.vocab_size,
         param_init=hf_param_init,
         weights_dir=source if load_weights else None,

@@ -39,6 +39,10 @@ def apply_rope(x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Context parallelism (`parallel.context_parallel.apply_context_parallel`) sets a ring: the
+    # layer then holds a slice of the sequence and attends over every cp rank's keys and values.
+    ring = None
+
     def __init__(self, shape: ModelShape):
         super().__init__()
         self.n_heads = shape.n_heads
@@ -57,9 +61,12 @@ class Attention(nn.Module):
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
-        )
+        if self.ring is not None:
+            out = self.ring.attend(q, k, v)
+        else:
+            out = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, enable_gqa=self.n_kv_heads != self.n_heads
+            )
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from raytrain_dt.errors import ConfigError
 from raytrain_dt.models.config_shape import config_shape
 from raytrain_dt.models.materialize import (
     ParamInit,
@@ -39,6 +40,8 @@ from raytrain_dt.models.presets import ModelShape
 
 # (model, tp_mesh, sequence_parallel) -> None, parallelizing the model in place.
 TensorParallelFn = Callable[[nn.Module, Any, bool], None]
+# (model, cp_mesh, seq_len) -> None: the model runs on this cp rank's positions, in place.
+ContextParallelFn = Callable[[nn.Module, Any, int], None]
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -65,6 +68,10 @@ class ModelSpec:
     parts: ModelParts = field(default_factory=ModelParts)
     tensor_parallel: TensorParallelFn | str | None = (
         "raytrain_dt.parallel.tensor_parallel:apply_tensor_parallel"
+    )
+    # None for a model whose attention cannot run over a split sequence (refused for cp > 1).
+    context_parallel: ContextParallelFn | str | None = (
+        "raytrain_dt.parallel.context_parallel:apply_context_parallel"
     )
     loss: LossFn | str = "raytrain_dt.models.llama:next_token_loss"
     # Token ids the model embeds; the data's ids must stay below it.
@@ -117,6 +124,14 @@ class ModelSpec:
         if self.tensor_parallel is None:
             raise ValueError(f"parallel.tp: model {self.name!r} has no tensor-parallel plan")
         resolve(self.tensor_parallel)(model, tp_mesh, sequence_parallel)
+
+    def apply_context_parallel(self, model: nn.Module, cp_mesh, seq_len: int) -> None:
+        if self.context_parallel is None:
+            raise ConfigError(
+                f"parallel.cp: model {self.name!r} has no context-parallel attention "
+                "(our presets have; set parallel.cp=1)"
+            )
+        resolve(self.context_parallel)(model, cp_mesh, seq_len)
 
 
 def resolve(ref: Callable | str) -> Callable:

@@ -144,7 +144,7 @@ class RouterTap:
         self.aux_loss_coef = aux_loss_coef
         # Each row's weight in the load-balancing loss (None: the batch mean); engines set it.
         self.row_weights: torch.Tensor | None = None
-        # Routed assignments per expert, then dropped ones, since the last `take_router_stats`.
+        # Assignments each expert accepted, then dropped ones, since the last `take_router_stats`.
         self.stats: torch.Tensor | None = None
 
     def record(self, experts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
@@ -158,13 +158,10 @@ class RouterTap:
                 real = self.row_weights != 0
                 experts = experts[real]
                 keep = None if keep is None else keep[real]
-            routed = torch.bincount(experts.flatten(), minlength=self.n_experts)
-            dropped = (
-                torch.zeros(1, dtype=routed.dtype, device=routed.device)
-                if keep is None
-                else (~keep).sum().reshape(1)
-            )
-            current = torch.cat((routed, dropped))
+            kept = experts.flatten() if keep is None else experts[keep]
+            accepted = torch.bincount(kept, minlength=self.n_experts)
+            dropped = accepted.new_full((1,), experts.numel() - kept.numel())
+            current = torch.cat((accepted, dropped))
             self.stats = current if self.stats is None else self.stats + current
 
     def attach_aux_loss(
@@ -234,7 +231,7 @@ def set_aux_row_weights(model: nn.Module, row_weights: torch.Tensor | None) -> N
 
 
 def take_router_stats(model: nn.Module, device: torch.device) -> torch.Tensor | None:
-    """(E + 1,) on `device`: assignments routed to each expert, then dropped ones, summed
+    """(E + 1,) on `device`: assignments each expert accepted, then dropped ones, summed
     over this model's MoE layers since the last call (which resets them); None for a dense
     model."""
     taps = moe_layers(model)

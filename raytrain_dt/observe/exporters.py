@@ -1,6 +1,7 @@
 """Where step lines and events go besides the jsonl files: the driver's log (rank 0's metrics,
 every `trainer.log_every` steps), TensorBoard event files (`trainer.tensorboard`), Ray metrics
-(so they reach the Ray dashboard's Prometheus and Grafana), and the live status.
+(so they reach the Ray dashboard's Prometheus and Grafana), the live status, and experiment
+trackers (`metrics.*`, `observe/trackers.py`).
 
 All run on the driver from what the ranks already report, so the train step makes no Ray call.
 """
@@ -12,6 +13,7 @@ from pathlib import Path
 
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.observe.metrics import Sink
+from raytrain_dt.observe.trackers import tracker_sinks
 
 log = logging.getLogger("raytrain_dt.train")
 
@@ -97,9 +99,9 @@ class TensorBoardWriter:
             if key in r:
                 self.writer.add_scalar(f"perf/{key}", r[key], step)
         self.writer.add_scalar("cluster/world_size", r["world_size"], step)
-        if "drop_rate" in r:  # mixture-of-experts runs
-            self.writer.add_scalar("moe/drop_rate", r["drop_rate"], step)
-            for expert, tokens in enumerate(r["expert_tokens"]):
+        if "router" in r:  # mixture-of-experts runs
+            self.writer.add_scalar("moe/drop_rate", r["router"]["drop_rate"], step)
+            for expert, tokens in enumerate(r["router"]["tokens_per_expert"]):
                 self.writer.add_scalar(f"moe/expert{expert}_tokens", tokens, step)
         for rank, (now, peak) in enumerate(zip(r["mem_allocated_bytes"], r["mem_peak_bytes"])):
             if now is not None:
@@ -194,11 +196,12 @@ class RayMetrics:
 
 
 def default_sinks(cfg: TrainConfig, run_dir: Path, resumed_step: int) -> list[Sink]:
-    """The exporters a run gets: console always; TensorBoard when asked; Ray metrics and the
-    live status when connected to Ray."""
+    """The exporters a run gets: console always; TensorBoard and experiment trackers when
+    asked; Ray metrics and the live status when connected to Ray."""
     sinks: list[Sink] = [ConsoleLog(cfg.trainer.log_every, cfg.trainer.steps)]
     if cfg.trainer.tensorboard:
         sinks.append(TensorBoardWriter(run_dir / "tensorboard", resumed_step))
+    sinks += tracker_sinks(cfg, run_dir, resumed_step)
     import ray
 
     if ray.is_initialized():

@@ -33,9 +33,7 @@ STEP_FIELDS = (
     "consumed_samples",
     "mfu",
     "global_batch",
-    "expert_tokens",
-    "dropped_tokens",
-    "drop_rate",
+    "router",
 )
 
 

@@ -165,8 +165,12 @@ class Pipeline:
 
         return loss_fn
 
-    def step(self, micro_batches: list[torch.Tensor]) -> torch.Tensor | None:
-        """Forward and backward over the micro-batches; the mean loss on the last stage."""
+    def step(
+        self, micro_batches: list[torch.Tensor], targets: list[torch.Tensor] | None = None
+    ) -> torch.Tensor | None:
+        """Forward and backward over the micro-batches; the mean loss on the last stage.
+        `targets` are what the loss scores (the micro-batches themselves when None; a cp
+        rank's next-token labels under context parallelism)."""
         if len(micro_batches) != self.n_microbatches:
             raise ValueError(
                 f"trainer.grad_accum: pipeline built for {self.n_microbatches} micro-batches, "
@@ -179,7 +183,7 @@ class Pipeline:
         losses: list[torch.Tensor] | None = [] if self.is_last else None
         self.schedule.step(
             *args,
-            target=tokens if self.is_last else None,
+            target=(tokens if targets is None else torch.cat(targets)) if self.is_last else None,
             losses=losses,
             return_outputs=False,
         )
@@ -195,10 +199,11 @@ def shared_pipeline_loss(
     micro_batches: list[torch.Tensor],
     pp_group: dist.ProcessGroup,
     device: DeviceSpec,
+    targets: list[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One schedule step; its mean loss (fp32, on the device), known on every stage
     (collective over pp: only the last stage computes it)."""
-    local = pipeline.step(micro_batches)
+    local = pipeline.step(micro_batches, targets)
     loss = device.scalar() if local is None else local
     dist.all_reduce(loss, op=dist.ReduceOp.SUM, group=pp_group)
     return loss

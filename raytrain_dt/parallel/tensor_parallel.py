@@ -77,11 +77,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, sequence_parall
         raise ValueError(
             "parallel.tp: tied embeddings with tensor parallelism are not supported yet"
         )
+    # The positions this rank holds: data.seq_len, or its cp rank's share under context
+    # parallelism (applied first, it cuts the rotary table to those positions).
     seq_len = model.rope.shape[0]
     if sequence_parallel and seq_len % tp:
         raise ValueError(
-            f"parallel.sequence_parallel: data.seq_len={seq_len} must be divisible by "
-            f"parallel.tp={tp}"
+            f"parallel.sequence_parallel: the {seq_len} positions a rank holds (data.seq_len / "
+            f"parallel.cp) must be divisible by parallel.tp={tp}"
         )
     plan = _block_plan(sequence_parallel)
     for block in model.layers.values():

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -101,20 +102,16 @@ def restart(full_layout: Layout, nodes_needed: int) -> Strategy:
 def dp_only(
     planner: SimPlanner, full_layout: Layout, gpus_per_node: int, memory_per_accelerator: float
 ) -> Strategy:
-    """Replicas of the full layout's TP x PP; each replica shards over `group` nodes."""
-    tp, pp = full_layout.dims.tp, full_layout.dims.pp
+    """Replicas of the full layout's TP x CP x PP; each replica shards over `group` nodes."""
     per_rank = full_layout.micro_batch * full_layout.grad_accum  # samples per DP rank per step
     group = _replica_nodes(planner, full_layout, gpus_per_node, memory_per_accelerator)
-    shard = group * gpus_per_node // (tp * pp)
     most = max(1, full_layout.dims.world_size // (group * gpus_per_node))  # the configured batch
 
     def layout_for(replicas: int) -> Layout:
-        dims = ParallelDims(
-            replicas * group * gpus_per_node, pp=pp, dp_replicate=replicas, dp_shard=shard, tp=tp
-        )
+        dims = _replica_dims(full_layout.dims, group * gpus_per_node, replicas)
         # Its batch is per_rank x dp, never padded: DP-only shrinks the batch instead.
         return dataclasses.replace(
-            full_layout, dims=dims, zero_stage=3 if shard > 1 else 0, real_global_batch=0
+            full_layout, dims=dims, zero_stage=3 if dims.dp_shard > 1 else 0, real_global_batch=0
         )
 
     def decide(obs: Observation) -> Decision:
@@ -140,14 +137,30 @@ def dp_only(
     )
 
 
+def _replica_dims(full: ParallelDims, ranks_per_replica: int, replicas: int) -> ParallelDims:
+    """`replicas` replicas of the full layout's tp x cp x pp, each sharding over the rest of
+    `ranks_per_replica` ranks; its experts over as much of the full layout's ep as the shard
+    group holds."""
+    shard = ranks_per_replica // (full.tp * full.cp * full.pp)
+    return ParallelDims(
+        replicas * shard * full.tp * full.cp * full.pp,
+        pp=full.pp,
+        dp_replicate=replicas,
+        dp_shard=shard,
+        cp=full.cp,
+        tp=full.tp,
+        ep=math.gcd(full.ep, shard),
+    )
+
+
 def _replica_nodes(planner: SimPlanner, full: Layout, gpus_per_node: int, memory: float) -> int:
     """The fewest nodes on which one replica (ZeRO-3 inside it) fits in memory."""
-    tp, pp = full.dims.tp, full.dims.pp
-    nodes_for_tp_pp = max(1, -(-tp * pp // gpus_per_node))
+    d = full.dims
+    nodes_for_tp_pp = max(1, -(-d.tp * d.cp * d.pp // gpus_per_node))
     group = nodes_for_tp_pp
     while group * gpus_per_node <= full.dims.world_size:
-        shard = group * gpus_per_node // (tp * pp)
-        dims = ParallelDims(shard * tp * pp, pp=pp, dp_shard=shard, tp=tp)
+        dims = _replica_dims(d, group * gpus_per_node, 1)
+        shard = dims.dp_shard
         lay = dataclasses.replace(
             full, dims=dims, zero_stage=3 if shard > 1 else 0, real_global_batch=0
         )

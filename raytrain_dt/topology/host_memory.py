@@ -89,11 +89,21 @@ def rank_checkpoint_bytes(
     shape: ModelShape, layout: Layout, *, engine: str = "fsdp2", precision: str = "bf16"
 ) -> float:
     """The rank's shard of model and optimizer states (what its async save stages): its
-    pipeline stage, its TP slice, and its ZeRO/FSDP shard when the states are sharded."""
+    pipeline stage, its TP slice, and its ZeRO/FSDP shard when the states are sharded (over
+    dp_shard x cp, its experts over dp_shard/ep: `memory.model_state_bytes`)."""
     d = layout.dims
-    shard = d.dp_shard if layout.zero_stage >= 1 else 1
-    params, _, optimizer = resident_bytes_per_param(engine, precision, layout.zero_stage, shard)
-    return stage_params(shape, d.pp) / d.tp * (params + optimizer)
+    params, _, optimizer = model_state_bytes(
+        shape,
+        tp=d.tp,
+        pp=d.pp,
+        shard=d.dp_shard,
+        zero_stage=layout.zero_stage,
+        precision=precision,
+        engine=engine,
+        cp=d.cp,
+        ep=d.ep,
+    )
+    return params + optimizer
 
 
 def offloaded_bytes(
@@ -111,6 +121,8 @@ def offloaded_bytes(
         zero_stage=layout.zero_stage,
         precision=precision,
         engine=engine,
+        cp=d.cp,
+        ep=d.ep,
     )
     if engine == "fsdp2":  # CPUOffloadPolicy: parameter, gradient and optimizer shards
         return params + grads + optimizer

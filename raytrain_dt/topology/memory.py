@@ -7,7 +7,16 @@ in fp32, hold unsharded while computing and accumulate without a reduction, and
 bench/bench_memory.py checks both against the bytes the engines really hold. Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
 Transformer Models"), held per micro-batch in flight as the pipeline schedule keeps them
 (`pipeline_schedule.py`). Also home of `shape_for_params`, which invents a Llama-like shape for a
-bare parameter count so the planner can be asked about models that have no preset.
+bare parameter count (dense, or a mixture of experts) so the planner can be asked about models
+that have no preset.
+
+Context parallelism (cp) splits every sequence over cp ranks: each holds seq_len/cp tokens'
+activations, plus the ring's K/V buffers; FSDP2 shards the states over dp_shard x cp.
+Expert parallelism (ep) splits each MoE block's routed experts over ep of the dp_shard ranks,
+which FSDP2 then shards over the remaining dp_shard/ep x cp (the mesh `parallel/device_mesh.py`
+calls dp_shard_mod_ep_cp): a rank's resident expert states are 1/(dp_shard x cp) of them either
+way, but the unsharded copy it gathers for compute (and the gradients it holds before reducing
+them) is 1/ep of the experts.
 """
 
 from __future__ import annotations
@@ -18,7 +27,11 @@ from dataclasses import dataclass
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.layout import Layout
 from raytrain_dt.topology.pipeline_schedule import live_peaks
-from raytrain_dt.topology.pipeline_stages import heaviest_rank_params, split_of
+from raytrain_dt.topology.pipeline_stages import (
+    heaviest_rank_blocks,
+    heaviest_rank_params,
+    split_of,
+)
 
 GB = 1e9
 
@@ -61,6 +74,16 @@ def stage_params(shape: ModelShape, pp: int = 1, virtual_stages: int = 1, pp_lay
     the pipeline code makes (`pipeline_stages.py`: the end stages carry the embedding and the
     head, and fewer blocks)."""
     return heaviest_rank_params(shape, pp, virtual_stages, pp_layers)
+
+
+def stage_expert_params(
+    shape: ModelShape, pp: int = 1, virtual_stages: int = 1, pp_layers=()
+) -> float:
+    """Routed-expert parameters among `stage_params` (before EP, TP or ZeRO division)."""
+    if not shape.is_moe:
+        return 0.0
+    blocks = heaviest_rank_blocks(shape, pp, virtual_stages, pp_layers)
+    return float(blocks * shape.expert_params_per_layer)
 
 
 def _check_engine(engine: str) -> None:
@@ -112,15 +135,29 @@ def model_state_bytes(
     offload_params: bool = False,
     virtual_stages: int = 1,
     pp_layers=(),
+    cp: int = 1,
+    ep: int = 1,
 ) -> tuple[float, float, float]:
     """(params, grads, optimizer) bytes per rank at the optimizer step; `shard` is the
-    ZeRO/FSDP degree. These are the sharded states only (`resident_bytes_per_param`);
-    `estimate_memory` adds the transient buffers of forward and backward."""
+    ZeRO/FSDP degree (dp_shard). These are the sharded states only (`resident_bytes_per_param`);
+    `estimate_memory` adds the transient buffers of forward and backward. FSDP2 shards the
+    non-expert states over dp_shard x `cp` (at zero 0 over cp alone), and a rank's `ep`-th of
+    the routed experts over dp_shard / ep x cp (the module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
-    local = stage_params(shape, pp, virtual_stages, pp_layers) / tp
-    per_param = resident_bytes_per_param(engine, precision, zero_stage, shard)
-    params, grads, optimizer = (local * b for b in per_param)
+    split = (shape, pp, virtual_stages, pp_layers)
+    experts = stage_expert_params(*split) / tp
+    dense = stage_params(*split) / tp - experts
+    # FSDP2's shard meshes take in the cp ranks: dp_shard x cp, and dp_shard / ep x cp.
+    over_cp = cp if engine == "fsdp2" else 1
+    dense_bytes = resident_bytes_per_param(engine, precision, zero_stage, shard)
+    params, grads, optimizer = (dense * b / over_cp for b in dense_bytes)
+    if experts:
+        expert_bytes = resident_bytes_per_param(engine, precision, zero_stage, max(1, shard // ep))
+        params, grads, optimizer = (
+            total + experts / ep * b / over_cp
+            for total, b in zip((params, grads, optimizer), expert_bytes, strict=True)
+        )
     # FSDP2's CPUOffloadPolicy (engine.offload_optimizer) moves the parameter and gradient
     # shards to the host too; they stay priced here as well (conservative: each block's are
     # streamed back for its compute). `host_memory.py` prices their host side.
@@ -141,8 +178,12 @@ def working_state_bytes(
     defer_grad_sync: bool = False,
     virtual_stages: int = 1,
     pp_layers=(),
+    cp: int = 1,
+    ep: int = 1,
 ) -> tuple[float, float]:
     """(params, grads) bytes held on top of `model_state_bytes` during forward and backward.
+    Under expert parallelism a rank gathers and differentiates only its `ep`-th of the routed
+    experts; context parallelism changes none of it (every cp rank computes the whole block).
 
     FSDP2 (also at shard size 1, where the all-gather is a copy): full sharding keeps the
     running and the prefetched block plus the root (embedding, final norm, head: never
@@ -159,8 +200,9 @@ def working_state_bytes(
     _check_precision(precision)
     compute_bytes, grad_bytes = STATE_BYTES[precision][0], STATE_BYTES[precision][1]
     split = {"virtual_stages": virtual_stages, "pp_layers": pp_layers}
-    local = stage_params(shape, pp, **split) / tp
-    layer = shape.params_per_layer / tp
+    idle = 1.0 - 1.0 / ep  # the share of the routed experts other EP ranks hold
+    local = (stage_params(shape, pp, **split) - idle * stage_expert_params(shape, pp, **split)) / tp
+    layer = (shape.params_per_layer - idle * shape.expert_params_per_layer) / tp
     if engine == "fsdp2":
         # A pipeline schedule keeps its stages unsharded and unsynced across all micro-batches
         # (torch.distributed.pipelining turns off resharding after backward and the reduce).
@@ -175,7 +217,15 @@ def working_state_bytes(
             return params, layer * 4.0
         # The sharded gradients appear only as the last micro-step frees the unsharded ones.
         resident = model_state_bytes(
-            shape, tp=tp, pp=pp, shard=shard, zero_stage=zero_stage, engine=engine, **split
+            shape,
+            tp=tp,
+            pp=pp,
+            shard=shard,
+            zero_stage=zero_stage,
+            engine=engine,
+            cp=cp,
+            ep=ep,
+            **split,
         )[1]
         return params, local * 4.0 - resident
     if zero_stage == 3:
@@ -198,18 +248,44 @@ def korthikanti_layer_bytes(
     tp: int = 1,
     sequence_parallel: bool = False,
     fused_attention: bool = True,
+    mlp_scale: float = 1.0,
 ) -> float:
     """Activation bytes one transformer layer stores for backward (Korthikanti et al. 2022).
 
     No parallelism: sbh(34 + 5as/h). TP with SP: sbh(34 + 5as/h)/t. TP without SP leaves the
     layer norms' and dropouts' 10sbh replicated: sbh(10 + 24/t + 5as/(ht)). A fused attention
     kernel (SDPA/flash) never materialises the a*s*s score matrix, so its 5as/h term goes.
+    `mlp_scale` scales the MLP's 19sbh (a routed MoE block: `mlp_activation_scale`). `seq_len`
+    may be a fraction (a cp rank's share of the sequence).
     """
     sbh = float(seq_len) * micro_batch * dim
     attention = 0.0 if fused_attention else 5.0 * n_heads * seq_len / dim
+    routed = 19.0 * (mlp_scale - 1.0)
     if tp == 1 or sequence_parallel:
-        return sbh * (34.0 + attention) / tp
-    return sbh * (10.0 + 24.0 / tp + attention / tp)
+        return sbh * (34.0 + routed + attention) / tp
+    return sbh * (10.0 + (24.0 + routed) / tp + attention / tp)
+
+
+def mlp_activation_scale(shape: ModelShape) -> float:
+    """A block's MLP activations against a dense SwiGLU of `ffn_hidden`: a MoE block runs every
+    token through `experts_per_token` experts of `expert_hidden` (and the shared expert), so it
+    stores about that many times the hidden activations."""
+    if not shape.is_moe:
+        return 1.0
+    routed = shape.experts_per_token * shape.expert_hidden + shape.shared_ffn_hidden
+    return routed / shape.ffn_hidden
+
+
+def ring_buffer_bytes(
+    shape: ModelShape, *, seq_len: int, micro_batch: int, cp: int, tp: int = 1, scale: float = 1.0
+) -> float:
+    """The ring's transient K/V buffers on a cp rank (one layer at a time): the K and V of its
+    seq_len/cp tokens in flight both ways (send and receive), and in backward as many again
+    for dK and dV. TP splits the KV heads. 0 without context parallelism."""
+    if cp <= 1:
+        return 0.0
+    kv = 2.0 * seq_len / cp * micro_batch * shape.n_kv_heads * shape.head_dim / tp
+    return 2.0 * 2.0 * kv * 2.0 * scale
 
 
 def activation_bytes(
@@ -227,11 +303,19 @@ def activation_bytes(
     virtual_stages: int = 1,
     pp_layers=(),
     pp_schedule: str = "1f1b",
+    cp: int = 1,
 ) -> float:
     """Peak activation bytes on the pp rank whose live activations peak highest under
     `pp_schedule` (`grad_accum` micro-batches per step). `estimate_memory` adds them to the
-    states of the rank with the most parameters: an upper bound where the two ranks differ."""
+    states of the rank with the most parameters: an upper bound where the two ranks differ.
+    A cp rank holds seq_len/cp tokens of each sequence (everything below is linear in them:
+    fused attention stores no score matrix), plus the ring's K/V buffers (`ring_buffer_bytes`)."""
     _check_precision(precision)
+    scale = ACTIVATION_SCALE[precision]
+    ring = ring_buffer_bytes(
+        shape, seq_len=seq_len, micro_batch=micro_batch, cp=cp, tp=tp, scale=scale
+    )
+    seq_len = seq_len / cp
     layer = (
         korthikanti_layer_bytes(
             seq_len,
@@ -241,8 +325,9 @@ def activation_bytes(
             tp=tp,
             sequence_parallel=sequence_parallel,
             fused_attention=fused_attention,
+            mlp_scale=mlp_activation_scale(shape),
         )
-        * ACTIVATION_SCALE[precision]
+        * scale
     )
     if activation_checkpointing:
         # Only each layer's input survives the forward (sharded over TP under SP); backward
@@ -252,6 +337,7 @@ def activation_bytes(
     else:
         per_block, working = layer, 0.0
     logits = float(seq_len) * micro_batch * shape.vocab_size / tp * LOGIT_BYTES
+    working += ring
     if pp == 1:
         # Gradient accumulation runs each micro-batch's backward before the next forward.
         return shape.n_layers * per_block + working + logits
@@ -287,6 +373,8 @@ def estimate_memory(
         "zero_stage": layout.zero_stage,
         "virtual_stages": layout.virtual_stages,
         "pp_layers": layout.pp_layers,
+        "cp": d.cp,
+        "ep": d.ep,
     }
     params, grads, optimizer = model_state_bytes(
         shape,
@@ -320,21 +408,28 @@ def estimate_memory(
         activation_checkpointing=layout.activation_checkpointing,
         fused_attention=fused_attention,
         precision=precision,
+        cp=d.cp,
     )
     used = params + grads + optimizer + activations
     total = used / (1.0 - margin)
     return MemoryEstimate(params, grads, optimizer, activations, total - used, total)
 
 
-def shape_for_params(n: float, vocab_size: int = 32000) -> ModelShape:
-    """A Llama-like shape with about `n` parameters (within one layer's worth).
+def shape_for_params(
+    n: float, vocab_size: int = 32000, experts: int = 0, active: int = 0
+) -> ModelShape:
+    """A Llama-like shape with about `n` parameters (within one layer's worth); with `experts`,
+    a Mixtral-like mixture of experts whose every block routes each token to `active` of them.
 
-    Llama 1-3 keep depth near dim/128 (7B: 4096/32, 13B: 5120/40, 70B: 8192/80), head_dim 128
-    and ffn ~ 8/3 dim; we scan dims, fit the layer count to `n`, and keep the
+    Llama 1-3 keep depth near dim/128 (7B: 4096/32, 13B: 5120/40, 70B: 8192/80; Mixtral too),
+    head_dim 128 and ffn ~ 8/3 dim; we scan dims, fit the layer count to `n`, and keep the
     dim whose depth is closest to that aspect ratio. GQA with 8 KV heads from 64 heads up.
     """
     if n <= 0:
         raise ValueError(f"parameter count must be positive, got {n}")
+    if experts and not 1 <= active <= experts:
+        raise ValueError(f"active experts must be in 1..{experts}, got {active}")
+    moe = {"n_experts": experts, "experts_per_token": active} if experts else {}
     best: tuple[float, int, ModelShape] | None = None
     # Above 4096 step by 1024 so head counts stay multiples of 8 (TP up to 8 divides them).
     for dim in [*range(256, 4096, 256), *range(4096, 32768 + 1, 1024)]:
@@ -342,12 +437,13 @@ def shape_for_params(n: float, vocab_size: int = 32000) -> ModelShape:
         n_heads = dim // head_dim
         n_kv_heads = 8 if n_heads >= 64 else n_heads
         ffn = max(256, round(8 * dim / 3 / 256) * 256)
-        probe = ModelShape(dim, 1, n_heads, n_kv_heads, vocab_size, ffn)
+        probe = ModelShape(dim, 1, n_heads, n_kv_heads, vocab_size, ffn, **moe)
         fixed = probe.num_params - probe.params_per_layer
         layers = max(1, round((n - fixed) / probe.params_per_layer))
         # Ratio distance on a log scale, so too deep and too shallow weigh alike.
         score = abs(math.log(layers * 128.0 / dim))
         if best is None or score < best[0]:
-            best = (score, dim, ModelShape(dim, layers, n_heads, n_kv_heads, vocab_size, ffn))
+            shape = ModelShape(dim, layers, n_heads, n_kv_heads, vocab_size, ffn, **moe)
+            best = (score, dim, shape)
     assert best is not None
     return best[2]

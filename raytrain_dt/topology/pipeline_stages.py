@@ -178,18 +178,34 @@ def heaviest_rank_params(
     return _heaviest_params(shape, pp, virtual_stages, tuple(pp_layers))
 
 
-@lru_cache(maxsize=4096)
+def heaviest_rank_blocks(shape: ModelShape, pp: int, virtual_stages: int = 1, pp_layers=()) -> int:
+    """Blocks held by the pp rank of `heaviest_rank_params` (its routed experts are what expert
+    parallelism splits)."""
+    if pp == 1:
+        return shape.n_layers
+    return _heaviest(shape, pp, virtual_stages, tuple(pp_layers))[1]
+
+
 def _heaviest_params(shape: ModelShape, pp: int, virtual_stages: int, pp_layers: tuple) -> float:
+    return _heaviest(shape, pp, virtual_stages, pp_layers)[0]
+
+
+@lru_cache(maxsize=4096)
+def _heaviest(
+    shape: ModelShape, pp: int, virtual_stages: int, pp_layers: tuple
+) -> tuple[float, int]:
+    """(parameters, blocks) of the pp rank with the most parameters."""
     counts = _split(shape, pp, virtual_stages, pp_layers)
     last = len(counts) - 1
     embedding = shape.vocab_size * shape.dim
-    best = 0.0
+    best = (0.0, 0)
     for r in range(pp):
         stages = stage_indices(r, pp, virtual_stages)
-        params = sum(counts[s] for s in stages) * shape.params_per_layer
+        blocks = sum(counts[s] for s in stages)
+        params = blocks * shape.params_per_layer
         params += embedding if 0 in stages else 0
         params += embedding + shape.dim if last in stages else 0
-        best = max(best, float(params))
+        best = max(best, (float(params), blocks))
     return best
 
 

@@ -1,7 +1,7 @@
 """`raytrain-dt plan`: ask the planner for a layout without starting anything.
 
-Builds a `ModelShape` (a preset, or a Llama-like shape for `--params`) and a `Topology` from
-flags, runs `planner.plan`, and prints either a readable report or one JSON object. Errors
+Builds a `ModelShape` (a preset, or a Llama-like shape for `--params`, a mixture of experts
+with `--experts`/`--active-experts`) and a `Topology` from flags, runs `planner.plan`, and prints either a readable report or one JSON object. Errors
 the user can fix (bad flags, pins, nothing fits) print one line to stderr and return 2.
 """
 
@@ -14,6 +14,7 @@ import sys
 from raytrain_dt.errors import UserError
 from raytrain_dt.models.presets import PRESETS, ModelShape
 from raytrain_dt.topology.calibration import ACCELERATORS, CALIBRATION, H100_SXM
+from raytrain_dt.topology.cost import HIDDEN_KEYS
 from raytrain_dt.topology.layout import Topology
 from raytrain_dt.topology.memory import ENGINES, shape_for_params
 from raytrain_dt.topology.pins import LayoutPins, engine_pins
@@ -30,6 +31,18 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", choices=sorted(PRESETS), help="a model preset")
     model.add_argument(
         "--params", type=float, help="a parameter count, e.g. 7.5e9 (Llama-like shape)"
+    )
+    model.add_argument(
+        "--experts",
+        type=int,
+        default=0,
+        help="with --params: a mixture of experts with this many experts per block",
+    )
+    model.add_argument(
+        "--active-experts",
+        type=int,
+        default=None,
+        help="with --experts: experts each token is routed to (top-k; default 2)",
     )
     cluster = parser.add_argument_group("cluster")
     cluster.add_argument("--nodes", type=int, help="number of nodes")
@@ -86,6 +99,8 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     pins = parser.add_argument_group("pins (default: the planner chooses)")
     pins.add_argument("--tp", type=int)
     pins.add_argument("--pp", type=int)
+    pins.add_argument("--cp", type=int, help="context-parallel degree (parallel.cp)")
+    pins.add_argument("--ep", type=int, help="expert-parallel degree (parallel.ep)")
     pins.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3))
     pins.add_argument("--micro-batch", type=int)
     knobs = parser.add_argument_group("model knobs")
@@ -105,8 +120,10 @@ def add_plan_arguments(parser: argparse.ArgumentParser) -> None:
 def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
     if (args.model is None) == (args.params is None):
         raise UserError("plan: give exactly one of --model and --params")
+    if args.model and (args.experts or args.active_experts is not None):
+        raise UserError("--experts/--active-experts: only with --params (a preset has its own)")
     name = args.model or f"{args.params:.3g} params"
-    shape = PRESETS[args.model] if args.model else shape_for_params(args.params)
+    shape = PRESETS[args.model] if args.model else _params_shape(args)
     if (args.nodes is None) == (args.gpus is None):
         raise UserError("plan: give exactly one of --nodes and --gpus")
     per_node = args.gpus_per_node or 8
@@ -144,13 +161,28 @@ def _inputs(args: argparse.Namespace) -> tuple[str, ModelShape, Topology, int]:
     return name, shape, topo, batch
 
 
+def _params_shape(args: argparse.Namespace) -> ModelShape:
+    """The shape `--params` (and `--experts`, `--active-experts`) describe."""
+    if args.experts < 0:
+        raise UserError(f"--experts: must be >= 0, got {args.experts}")
+    if not args.experts:
+        if args.active_experts is not None:
+            raise UserError("--active-experts: needs --experts")
+        return shape_for_params(args.params)
+    active = 2 if args.active_experts is None else args.active_experts
+    if not 1 <= active <= args.experts:
+        raise UserError(f"--active-experts: must be in 1..--experts ({args.experts}), got {active}")
+    return shape_for_params(args.params, experts=args.experts, active=active)
+
+
 def _row(c: Candidate) -> str:
     lay, d, gb = c.layout, c.layout.dims, c.memory.as_gb()
     flags = ("ac " if lay.activation_checkpointing else "") + (
         "off" if lay.offload_optimizer else ""
     )
     return (
-        f"{d.tp:>3} {d.pp:>3} {d.dp_replicate:>4}x{d.dp_shard:<5} {lay.zero_stage:>4} "
+        f"{d.tp:>3} {d.pp:>3} {d.cp:>3} {d.ep:>3} {d.dp_replicate:>4}x{d.dp_shard:<5} "
+        f"{lay.zero_stage:>4} "
         f"{lay.micro_batch:>3}x{lay.grad_accum:<5} {flags:<6} {gb['total']:>7.1f} "
         f"{c.step_time.total_s:>9.3f}  {c.reason}"
     )
@@ -193,17 +225,25 @@ def format_plan(
     a smaller one (a batch tolerance)."""
     b, d = p.best, p.best.layout.dims
     gb, t = b.memory.as_gb(), b.step_time
+    moe = (
+        f", {shape.n_experts} experts (top-{shape.experts_per_token}), "
+        f"{shape.flops_per_token(0) / 6e9:.2f}B active"
+        if shape.is_moe
+        else ""
+    )
     real = b.layout.global_batch
     batch = f"{real} of {global_batch}" if global_batch and real != global_batch else f"{real}"
     lines = [
-        f"model   {name}: {shape.num_params / 1e9:.2f}B params, {shape.n_layers} layers, dim {shape.dim}",
+        f"model   {name}: {shape.num_params / 1e9:.2f}B params, {shape.n_layers} layers, "
+        f"dim {shape.dim}{moe}",
         "assumes " + ", ".join(f"{k} {v}" for k, v in assumes.items()),
         f"cluster {topo.num_nodes} node(s) x {topo.accelerators_per_node} accelerators, "
         f"{topo.memory_per_accelerator / 1e9:.0f} GB each; global batch {batch} x "
         f"{seq_len} tokens",
         "",
         f"layout  {b.layout.describe()}  (world {d.world_size})",
-        f"        tp={d.tp} pp={d.pp} dp={d.dp} (replicate {d.dp_replicate} x shard {d.dp_shard}) "
+        f"        tp={d.tp} pp={d.pp} cp={d.cp} dp={d.dp} (replicate {d.dp_replicate} x shard "
+        f"{d.dp_shard}) ep={d.ep} "
         f"zero={b.layout.zero_stage} micro_batch={b.layout.micro_batch} "
         f"grad_accum={b.layout.grad_accum}",
         *([f"        blocks per stage {_stages(shape, b.layout)}"] if d.pp > 1 else []),
@@ -229,9 +269,14 @@ def format_plan(
         *(
             f"  {k.removesuffix('_s'):<12}{v:>9.3f}"
             for k, v in t.as_dict().items()
-            if k not in ("total_s", "dp_hidden_s") and (v or k == "compute_s")
+            if k not in ("total_s", *HIDDEN_KEYS) and (v or k == "compute_s")
         ),
         f"  (DP traffic overlapped with compute: {t.dp_hidden_s:.3f} s, not in the total)",
+        *(
+            [f"  (ring K/V traffic behind attention: {t.cp_hidden_s:.3f} s, not in the total)"]
+            if d.cp > 1
+            else []
+        ),
         "",
         f"why     {b.reason}",
     ]
@@ -239,7 +284,7 @@ def format_plan(
         lines += [
             "",
             "alternatives",
-            " tp  pp  dp(rep x shard) zero  mb x ga    flags  mem GB    step s  why",
+            " tp  pp  cp  ep  dp(rep x shard) zero  mb x ga    flags  mem GB    step s  why",
         ]
         lines += [" " + _row(c) for c in p.alternatives]
     return "\n".join(lines)
@@ -249,7 +294,12 @@ def run_plan(args: argparse.Namespace) -> int:
     try:
         name, shape, topo, batch = _inputs(args)
         pins = LayoutPins(
-            tp=args.tp, pp=args.pp, zero_stage=args.zero_stage, micro_batch=args.micro_batch
+            tp=args.tp,
+            pp=args.pp,
+            cp=args.cp,
+            ep=args.ep,
+            zero_stage=args.zero_stage,
+            micro_batch=args.micro_batch,
         )
         kw = {
             "global_batch": batch,

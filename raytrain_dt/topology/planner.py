@@ -9,7 +9,11 @@ arithmetic: deterministic, no side effects, and fast enough (well under a second
 
 Rules: TP divides the accelerators per node (TP never leaves NVLink) and the head counts;
 PP is a divisor of the layers or a power of two up to them (uneven stages balanced by cost,
-`pipeline_stages.py`); the global batch G is kept exactly. Where dp divides G each rank reads
+`pipeline_stages.py`); the global batch G is kept exactly. Context parallelism (cp ranks share
+each sequence; world = tp x cp x pp x dp) is a candidate only where a long sequence makes
+memory demand it (`_cp_degrees`); expert parallelism (ep of the dp_shard ranks share each MoE
+block's experts; no change to the world or the data split) for MoE shapes only, at every ep
+dividing both the experts and dp_shard. Where dp divides G each rank reads
 G/dp samples; otherwise (pp == 1 only) ranks read slices one sample apart in ceil(G/dp) slots
 and the spare slots are zero-weighted padding (`Layout.real_global_batch`, `data.order`,
 `engines.micro_loss`), priced as compute. G being fixed, the shortest step is the highest
@@ -42,6 +46,7 @@ from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import (
     GB,
     MemoryEstimate,
+    activation_bytes,
     estimate_memory,
 )
 from raytrain_dt.topology.parallel_dims import ParallelDims
@@ -78,7 +83,7 @@ class Plan:
         return record
 
 
-_DIMS_KEYS = ("world_size", "pp", "dp", "tp", "dp_replicate", "dp_shard")
+_DIMS_KEYS = ("world_size", "pp", "dp", "tp", "dp_replicate", "dp_shard", "cp", "ep")
 _LAYOUT_KEYS = (
     "zero_stage",
     "micro_batch",
@@ -126,6 +131,53 @@ def _tp_pp(shape, topo, pins):
     return list(itertools.product(tps, pps))
 
 
+# Context parallelism pays only for long sequences: below this, ring attention's per-hop kernel
+# launches and softmax merges over short chunks cost more than the activations it saves, and
+# published runs keep cp = 1 (Llama 3: cp = 1 at 8K tokens, cp = 16 at 131K).
+CP_MIN_SEQ_LEN = 32768
+# Nor is a rank given fewer tokens of a sequence than this (attention kernels go latency-bound).
+CP_MIN_TOKENS_PER_RANK = 1024
+
+
+def cp_degrees(shape, topo, pins, seq_len: int, precision: str) -> list[int]:
+    """Context-parallel degrees worth planning: a pinned cp; else 1, and where a sequence of
+    `seq_len` is long (CP_MIN_SEQ_LEN) and its activations alone (one sequence, no TP, no
+    checkpointing) exceed an accelerator's memory, every power of two that splits it into
+    2 x cp chunks of at least CP_MIN_TOKENS_PER_RANK / 2 tokens, up to the cluster."""
+    if pins.cp:
+        return [pins.cp]
+    if seq_len < CP_MIN_SEQ_LEN or not cp_pays(shape, topo, seq_len, precision):
+        return [1]
+    out, cp = [1], 2
+    while cp <= topo.num_accelerators and seq_len // cp >= CP_MIN_TOKENS_PER_RANK:
+        if seq_len % (2 * cp) == 0:
+            out.append(cp)
+        cp *= 2
+    return out
+
+
+def cp_pays(shape, topo, seq_len: int, precision: str) -> bool:
+    """Whether one sequence's activations (micro-batch 1, no TP, no checkpointing) exceed an
+    accelerator's memory: what context parallelism is for."""
+    one = activation_bytes(shape, seq_len=seq_len, micro_batch=1, precision=precision)
+    return one > topo.memory_per_accelerator
+
+
+def _ep_degrees(shape, dp_shard: int, pins) -> list[int]:
+    """Expert-parallel degrees for a dp_shard group: a pinned ep if it divides dp_shard; for
+    an unpinned MoE shape every divisor of both the experts and dp_shard; else 1."""
+    if pins.ep:
+        return [pins.ep] if dp_shard % pins.ep == 0 else []
+    if not shape.is_moe:
+        return [1]
+    return _divisors(math.gcd(shape.n_experts, dp_shard))
+
+
+def _dp_step(pins) -> int:
+    """The DP degrees a pinned dp_replicate, dp_shard or ep allow are multiples of this."""
+    return (pins.dp_replicate or 1) * (pins.dp_shard or pins.ep or 1)
+
+
 def _dp_degrees(global_batch: int, most: int, pins) -> list[int]:
     """DP degrees worth planning, up to `most`: for each per-rank share ceil(G/dp) the smallest
     dp that reaches it (more ranks at the same share only add communication; an exact dp is
@@ -134,7 +186,7 @@ def _dp_degrees(global_batch: int, most: int, pins) -> list[int]:
     if pins.dp_replicate and pins.dp_shard:
         dp = pins.dp_replicate * pins.dp_shard
         return [dp] if dp <= most else []
-    step = pins.dp_replicate or pins.dp_shard or 1
+    step = _dp_step(pins)
     most -= most % step
     found = {most} if 0 < most <= global_batch else set()
     dp = step
@@ -173,18 +225,20 @@ def smallest_batch(global_batch: int, tolerance: float) -> int:
     return max(1, math.ceil(global_batch * (1.0 - tolerance) - 1e-9))
 
 
-def _grid(shape, topo, pins, global_batch, least_batch=0):
-    """(tp, pp, dp, slots per rank, real batch) cells of every world up to the cluster that
+def _grid(shape, topo, pins, global_batch, least_batch=0, cps=(1,)):
+    """(tp, pp, cp, dp, slots per rank, real batch) cells of every world up to the cluster that
     honour the pins: the exact global batch, and with a tolerance (`least_batch` < G) each
     smaller exact batch dp x share >= least_batch, at the largest dp for its share."""
     least_batch = least_batch or global_batch
-    for tp, pp in _tp_pp(shape, topo, pins):
-        most = topo.num_accelerators // (tp * pp)
+    for (tp, pp), cp in itertools.product(_tp_pp(shape, topo, pins), cps):
+        most = topo.num_accelerators // (tp * pp * cp)
+        if most < 1:
+            continue
         dps = _dp_degrees(global_batch, most, pins)
         for dp in dps:
             slots = _per_rank_slots(global_batch, dp, pp, pins)
             if slots:
-                yield tp, pp, dp, slots, global_batch
+                yield tp, pp, cp, dp, slots, global_batch
         if least_batch >= global_batch:
             continue
         found = set()
@@ -194,7 +248,7 @@ def _grid(shape, topo, pins, global_batch, least_batch=0):
                 if least_batch <= batch < global_batch and (dp, batch) not in found:
                     found.add((dp, batch))
                     if _per_rank_slots(batch, dp, pp, pins) == share:
-                        yield tp, pp, dp, share, batch
+                        yield tp, pp, cp, dp, share, batch
 
 
 def _tolerated_dps(global_batch: int, least_batch: int, most: int, pins) -> set[int]:
@@ -202,7 +256,7 @@ def _tolerated_dps(global_batch: int, least_batch: int, most: int, pins) -> set[
     degree) whose exact batch dp x share is within the tolerance."""
     if pins.dp_replicate and pins.dp_shard:
         return set()
-    step = pins.dp_replicate or pins.dp_shard or 1
+    step = _dp_step(pins)
     out = set()
     for share in range(1, global_batch + 1):
         dp = min(most, global_batch // share)
@@ -212,9 +266,10 @@ def _tolerated_dps(global_batch: int, least_batch: int, most: int, pins) -> set[
     return out
 
 
-def _dp_splits(dp, zero, tp, topo, pins):
+def _dp_splits(dp, zero, model_ranks, topo, pins):
     """(dp_replicate, dp_shard) pairs: replicate for zero 0, shard for ZeRO, and for zero 3
-    HSDP (shard inside a node, replicate across nodes) when the DP group spans nodes."""
+    HSDP (shard inside a node, replicate across nodes) when the DP group spans nodes.
+    `model_ranks`: the ranks of one DP index (tp x cp) that a node holds with each."""
     if pins.dp_replicate or pins.dp_shard:
         r = pins.dp_replicate or dp // pins.dp_shard
         s = dp // r
@@ -222,7 +277,7 @@ def _dp_splits(dp, zero, tp, topo, pins):
     if zero == 0:
         return [(dp, 1)]
     splits = [(1, dp)]
-    inner = topo.accelerators_per_node // tp
+    inner = topo.accelerators_per_node // model_ranks
     if zero == 3 and 1 < inner < dp and dp % inner == 0:
         splits.append((dp // inner, inner))
     return splits
@@ -285,8 +340,8 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
     zeros = [pins.zero_stage] if pins.zero_stage is not None else [0, 1, 2, 3]
     ac_pin = pins.activation_checkpointing
     acs = [ac_pin] if ac_pin is not None else [False, True]
-    for tp, pp, dp, per_rank, batch in cells:
-        world = tp * pp * dp
+    for tp, pp, cp, dp, per_rank, batch in cells:
+        world = tp * pp * cp * dp
         real = batch if per_rank * dp != batch else 0  # 0: exact, no padding
         if pins.micro_batch or pins.grad_accum:
             mbs = [pins.micro_batch or per_rank // pins.grad_accum]
@@ -301,8 +356,10 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
             offloads = [False, True] if allow_offload and zero > 0 else [False]
             if pins.offload_optimizer is not None:
                 offloads = [pins.offload_optimizer]
-            splits = _dp_splits(dp, zero, tp, topo, pins)
-            for (dpr, dps), offload, ac in itertools.product(splits, offloads, acs):
+            splits = _dp_splits(dp, zero, tp * cp, topo, pins)
+            eps = {split: _ep_degrees(shape, split[1], pins) for split in splits}
+            choices = [(split, ep) for split in splits for ep in eps[split]]
+            for ((dpr, dps), ep), offload, ac in itertools.product(choices, offloads, acs):
                 # Sharding over one rank is plain DP with extra steps; it only matters as the
                 # vehicle for offload (ZeRO-Offload on a single replica), or where the engine
                 # runs no ZeRO-0 without a pipeline (DeepSpeed in bf16: its ZeRO-1 is then the
@@ -316,7 +373,9 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
                     and not (zero == 1 and no_zero0)
                 ):
                     continue
-                dims = ParallelDims(world_size=world, pp=pp, dp_replicate=dpr, dp_shard=dps, tp=tp)
+                dims = ParallelDims(
+                    world_size=world, pp=pp, dp_replicate=dpr, dp_shard=dps, cp=cp, tp=tp, ep=ep
+                )
                 for mb in mbs:  # ascending: activations only grow, so stop at the first miss
                     layout = Layout(
                         dims,
@@ -380,8 +439,8 @@ def _search(shape, topo, pins, cells, o: _Opts, allow_offload=False):
     """
 
     def floor(cell):
-        tp, pp, _, slots, batch = cell
-        compute = compute_s(shape, slots, tp * pp, topo, seq_len=o.seq_len, mfu=o.mfu, tp=tp)
+        tp, pp, cp, _, slots, batch = cell
+        compute = compute_s(shape, slots, tp * pp * cp, topo, seq_len=o.seq_len, mfu=o.mfu, tp=tp)
         return compute * o.global_batch / batch
 
     fitting: list[Candidate] = []
@@ -412,8 +471,8 @@ def _rank_key(c: Candidate, global_batch: int):
     lay, d = c.layout, c.layout.dims
     # 6 significant digits: equal-volume collectives computed along different paths tie.
     speed = float(f"{per_batch_s(c, global_batch):.6g}")
-    prefs = (d.tp, d.pp, lay.zero_stage, lay.activation_checkpointing, -lay.micro_batch)
-    return (speed, *prefs, lay.offload_optimizer, d.dp_replicate, not lay.sequence_parallel)
+    prefs = (d.tp, d.pp, d.cp, lay.zero_stage, lay.activation_checkpointing, -lay.micro_batch)
+    return (speed, *prefs, lay.offload_optimizer, d.dp_replicate, not lay.sequence_parallel, d.ep)
 
 
 def plan(
@@ -432,21 +491,29 @@ def plan(
     async_save: bool = True,
     batch_tolerance: float = 0.0,
     memory_copies: bool = False,
+    cp_attention: bool = True,
 ) -> Plan:
     """The fastest fitting layout and up to `top_k` structurally different alternatives.
     `async_save`: checkpoints are staged in host memory (`checkpoint.async_save`);
     `batch_tolerance`: `trainer.batch_tolerance` (the module docstring);
-    `memory_copies`: so are in-memory copies of the state (`checkpoint.memory_every_steps`)."""
+    `memory_copies`: so are in-memory copies of the state (`checkpoint.memory_every_steps`);
+    `cp_attention`: the model can run context-parallel attention (not a `model.hf` model)."""
     pins = pins or LayoutPins()
     for key, value in (("trainer.global_batch", global_batch), ("data.seq_len", seq_len)):
         if value < 1:
             raise ConfigError(f"{key}: must be >= 1, got {value}")
     if not 0.0 <= batch_tolerance < 1.0:
         raise ConfigError(f"trainer.batch_tolerance: must be in [0, 1), got {batch_tolerance}")
-    validate_pins(shape, topology, pins, global_batch, engine, precision)
+    validate_pins(shape, topology, pins, global_batch, engine, precision, seq_len, cp_attention)
     if engine == "deepspeed":
-        # No tensor parallelism; pipelines only with ZeRO-1 (`engine_refusal`, in `_enumerate`).
+        # No tensor, context or expert parallelism; pipelines only with ZeRO-1
+        # (`engine_refusal`, in `_enumerate`).
+        pins = dataclasses.replace(pins, tp=1, cp=1, ep=1)
+    if shape.is_moe:
+        # The tensor-parallel plan covers dense blocks only (`model_refusal`).
         pins = dataclasses.replace(pins, tp=1)
+    if not cp_attention:
+        pins = dataclasses.replace(pins, cp=1)
     n, per_node = topology.num_accelerators, topology.accelerators_per_node
     opts = _Opts(
         global_batch,
@@ -460,7 +527,8 @@ def plan(
         memory_copies,
     )
     least = smallest_batch(global_batch, batch_tolerance)
-    cells = list(_grid(shape, topology, pins, global_batch, least))
+    cps = cp_degrees(shape, topology, pins, seq_len, precision)
+    cells = list(_grid(shape, topology, pins, global_batch, least, cps))
     if not cells:
         raise PlanningError(
             f"no layout of up to {n} accelerators honours the pins and splits "
@@ -501,7 +569,7 @@ def plan(
         ),
     )
     same_batch = [c for c in fitting if c.layout.global_batch == best.layout.global_batch]
-    reason = best_reason(best, same_batch, shape, precision, engine, THROUGHPUT_TIE)
+    reason = best_reason(best, same_batch, shape, precision, engine, THROUGHPUT_TIE, seq_len)
     if best.layout.global_batch < global_batch:
         reason = (
             f"trains global batch {best.layout.global_batch} of {global_batch} "
@@ -541,4 +609,10 @@ def _host_refusal(shape: ModelShape, topology: Topology, need: _HostNeed) -> str
 
 def _structure(c: Candidate) -> tuple:
     lay = c.layout
-    return (*lay.dims.shape, lay.zero_stage, lay.activation_checkpointing, lay.offload_optimizer)
+    return (
+        *lay.dims.shape,
+        lay.dims.ep,
+        lay.zero_stage,
+        lay.activation_checkpointing,
+        lay.offload_optimizer,
+    )

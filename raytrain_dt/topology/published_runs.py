@@ -91,8 +91,8 @@ SOURCES_CHECKED: dict[str, tuple[str, str]] = {
         "(2,048 sequences, 16M tokens), 430/400 TFLOP/s per GPU (43%/41% BF16 MFU); FSDP "
         "sharding gradients and optimizer states without resharding parameters after forward, "
         "interleaved schedule, first/last stage one layer short, no activation checkpointing. "
-        "The third row (CP 16, 131,072 tokens, 380 TFLOP/s, 38%) is long-context training, "
-        "not modelled",
+        "The third row (TP 8, CP 16, PP 16, DP 8, 131,072 tokens, batch/DP 16, 16M tokens, "
+        "380 TFLOP/s, 38%) is the long-context stage",
     ),
     MEGASCALE: (
         f"{MEGASCALE_PAPER} Tables 1-2 as transcribed, with iteration times and throughputs, "
@@ -126,16 +126,22 @@ class PublishedRun:
     figure: float  # as published, in `unit`
     unit: str  # "TFLOP/s/GPU (hw)", "TFLOP/s/GPU (model)", "% MFU (model)" or "tokens/s/GPU"
     virtual_stages: int = 1
+    cp: int = 1  # context-parallel degree (ranks sharing each sequence)
     # Gradients accumulate (fp32) over the micro-batches and are reduce-scattered once per step.
     defer_grad_sync: bool = False
     assumed: str = ""  # configuration the source does not state
     ref: str = ""  # where the figure was read: URL, table and row
 
     def layout(self) -> Layout:
-        dp = self.gpus // (self.tp * self.pp)
+        dp = self.gpus // (self.tp * self.pp * self.cp)
         shard = dp if self.zero_stage else 1
         dims = ParallelDims(
-            world_size=self.gpus, pp=self.pp, dp_replicate=dp // shard, dp_shard=shard, tp=self.tp
+            world_size=self.gpus,
+            pp=self.pp,
+            dp_replicate=dp // shard,
+            dp_shard=shard,
+            cp=self.cp,
+            tp=self.tp,
         )
         return Layout(
             dims,
@@ -229,6 +235,13 @@ _LLAMA3_ASSUMED = (
     "and all 64 chunk forwards before the first backward with 16 (one round, as Megatron-LM and "
     "torch run it). The stage outputs the paper deallocates are not priced (the per-layer count "
     "holds none); how the paper fits the rest is not stated"
+)
+_LLAMA3_LONG_ASSUMED = (
+    "as the 8K rows: micro-batch 1, 4 virtual stages, no recomputation (not in Table 4). "
+    "Llama 3's CP all-gathers each layer's K/V instead of passing them round a ring: the same "
+    "(cp - 1)/cp of the sequence's K/V per rank, priced as the ring, behind the attention. "
+    "Attention FLOPs counted in full (12 x layers x dim x seq per token, as every row), not "
+    "halved for the causal mask"
 )
 _TITAN_H100_ASSUMED = (
     "sequence 8192 (the llama3_8b.toml default; the table does not state it); selective AC "
@@ -447,6 +460,28 @@ PUBLISHED_RUNS: list[PublishedRun] = [
         defer_grad_sync=True,
         assumed=_LLAMA3_ASSUMED,
         ref=f"{LLAMA3_PAPER} Table 4, row 2 (16,384 GPUs, DP 128)",
+    ),
+    # The long-context stage: 131,072 tokens, the same 16M tokens per step, CP 16.
+    PublishedRun(
+        LLAMA3,
+        "Llama 3 405B, 16,384 GPUs, 131K tokens, cp=16",
+        PRESETS["llama-405b"],
+        H100_SXM,
+        16384,
+        8,
+        16,
+        128,
+        131072,
+        1,
+        2,
+        False,
+        380,
+        "TFLOP/s/GPU (model)",
+        virtual_stages=4,
+        cp=16,
+        defer_grad_sync=True,
+        assumed=_LLAMA3_LONG_ASSUMED,
+        ref=f"{LLAMA3_PAPER} Table 4, row 3 (16,384 GPUs, CP 16, sequence 131,072)",
     ),
     # GPT-3 175B (Table 1: 96 layers, hidden 12288, 128 heads, tp=8 pp=8) on A100 GPUs, 8 x 200
     # Gb/s NICs per node; the Megatron-LM baseline's MFU at a fixed batch (strong scaling).

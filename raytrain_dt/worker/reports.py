@@ -31,11 +31,10 @@ class StepMetrics:
     # Samples the step trained: the layout's real global batch (smaller than
     # trainer.global_batch under a batch tolerance). None only from test fakes.
     global_batch: int | None = None
-    # Mixture-of-experts models: token copies routed to each expert over the global batch
-    # (summed over MoE layers, before capacity), those dropped for capacity, and their share.
-    expert_tokens: list[int] | None = None
-    dropped_tokens: int | None = None
-    drop_rate: float | None = None
+    # Mixture-of-experts models: the step's router statistics over the global batch (summed
+    # over MoE layers): {"tokens_per_expert": token copies each expert accepted, "dropped":
+    # copies refused for capacity, "drop_rate": their share of all routed copies}.
+    router: dict | None = None
 
 
 @dataclass(frozen=True)

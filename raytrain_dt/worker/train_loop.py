@@ -77,7 +77,7 @@ def run_loop(
                 tokens_per_s=tokens_per_s,
                 mfu=step_mfu(spec, tokens_per_s),
                 global_batch=spec.global_batch,
-                **router_metrics(result.router),
+                router=None if result.router is None else result.router.as_record(),
             )
         sample_ids = None
         if spec.report_sample_ids:
@@ -112,14 +112,3 @@ def step_mfu(spec: LoopSpec, tokens_per_s: float) -> float | None:
     if not spec.peak_flops_per_rank:
         return None
     return mfu(spec.model_flops_per_token, tokens_per_s, spec.world_size, spec.peak_flops_per_rank)
-
-
-def router_metrics(router) -> dict:
-    """A mixture-of-experts step's `RouterStats` as `StepMetrics` fields; none for dense."""
-    if router is None:
-        return {}
-    return {
-        "expert_tokens": router.tokens_per_expert,
-        "dropped_tokens": router.dropped,
-        "drop_rate": router.drop_rate,
-    }

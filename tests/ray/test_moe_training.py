@@ -1,8 +1,8 @@
 """A mixture-of-experts model (moe-tiny) trained by the real driver on the shared local Ray
 cluster: 2 ranks (dp_shard=2), capacity_factor 1 so experts drop tokens. The run equals the
 single-process reference (losses, weights, samples), and every metrics.jsonl line carries the
-step's router statistics over the global batch: tokens per expert and dropped token copies,
-equal to the reference's, and the drop rate."""
+step's router statistics over the global batch: token copies each expert accepted and those
+dropped, equal to the reference's, and the drop rate."""
 
 from __future__ import annotations
 
@@ -29,8 +29,9 @@ def test_moe_run_reports_router_stats_in_metrics(make_config):
     metrics = check_run_matches_reference(cfg, result, STEPS, atol=1e-5)
     ref_router: list = []
     reference_run(cfg, STEPS, router_stats=ref_router)
-    assert [[*m["expert_tokens"], m["dropped_tokens"]] for m in metrics] == ref_router
-    for m in metrics:
-        assert len(m["expert_tokens"]) == 4
-        assert m["dropped_tokens"] > 0
-        assert m["drop_rate"] == pytest.approx(m["dropped_tokens"] / sum(m["expert_tokens"]))
+    router = [m["router"] for m in metrics]
+    assert [[*r["tokens_per_expert"], r["dropped"]] for r in router] == ref_router
+    for r in router:
+        assert len(r["tokens_per_expert"]) == 4 and r["dropped"] > 0
+        routed = sum(r["tokens_per_expert"]) + r["dropped"]
+        assert r["drop_rate"] == pytest.approx(r["dropped"] / routed)

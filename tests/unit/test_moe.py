@@ -97,10 +97,12 @@ def test_block_equals_the_token_by_token_computation_and_counts_its_drops():
         assert torch.allclose(block(x), _token_by_token(block, x), atol=1e-5)
     stats = take_router_stats(block, torch.device("cpu"))
     # capacity ceil(0.5 * 8 * 2 / 4) = 2 per expert and sequence: at most 8 of 16 kept each.
-    routed, dropped = stats[:-1], int(stats[-1])
-    assert int(routed.sum()) == 3 * 8 * 2
-    expected = sum(max(0, int(c) - 2) for c in _per_sequence_counts(block, x))
-    assert dropped == expected > 0
+    accepted, dropped = stats[:-1], int(stats[-1])
+    assert int(accepted.sum()) + dropped == 3 * 8 * 2
+    counts = _per_sequence_counts(block, x)
+    assert dropped == sum(max(0, c - 2) for c in counts) > 0
+    per_expert = torch.tensor([min(c, 2) for c in counts]).view(3, 4).sum(dim=0)
+    assert accepted.tolist() == per_expert.tolist()
     assert take_router_stats(block, torch.device("cpu")).sum() == 0  # taken: reset
 
 
@@ -148,19 +150,15 @@ def test_layouts_an_moe_model_is_refused_in():
 def test_router_stats_reach_the_metrics_record_only_for_moe_models():
     from raytrain_dt.engines.base import RouterStats
     from raytrain_dt.worker.reports import StepMetrics, StepReport
-    from raytrain_dt.worker.train_loop import router_metrics
 
     def record(router) -> dict:
-        metrics = StepMetrics(1.0, 1e-3, 0.5, 1.0, 0.0, 100.0, **router_metrics(router))
+        router = None if router is None else router.as_record()
+        metrics = StepMetrics(1.0, 1e-3, 0.5, 1.0, 0.0, 100.0, router=router)
         return StepReport(step=1, consumed_samples=8, finished_at=0.0, metrics=metrics).as_record()
 
     moe = record(RouterStats(tokens_per_expert=[3, 1, 0, 4], dropped=2))
-    assert (moe["expert_tokens"], moe["dropped_tokens"], moe["drop_rate"]) == (
-        [3, 1, 0, 4],
-        2,
-        0.25,
-    )
-    assert not {"expert_tokens", "dropped_tokens", "drop_rate"} & record(None).keys()
+    assert moe["router"] == {"tokens_per_expert": [3, 1, 0, 4], "dropped": 2, "drop_rate": 0.2}
+    assert "router" not in record(None)
 
 
 @pytest.mark.parametrize(
