@@ -46,7 +46,7 @@ from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.moe_step import aux_row_weights, check_moe_layout, reduce_router_stats
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
 from raytrain_dt.models.materialize import materialize
-from raytrain_dt.models.moe import moe_layers, set_aux_row_weights
+from raytrain_dt.models.moe import set_aux_row_weights
 from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
 from raytrain_dt.parallel.context_parallel import ContextShardLoss, shard_batch
 from raytrain_dt.parallel.device_mesh import expert_fsdp_mesh
@@ -118,7 +118,7 @@ class FSDP2Engine:
         self.model = model
         self.optimizer = build_adamw(model, self.cfg.trainer)
         self._loss_group = mesh["dp_cp" if layout.dims.cp_enabled else "dp"].get_group()
-        self._moe = bool(moe_layers(model))
+        self._moe = spec.shape.is_moe
         # Router statistics sum over every rank holding distinct tokens of the batch.
         self._tokens_group = mesh["dp_cp"].get_group() if self._moe else None
 
@@ -191,7 +191,14 @@ class FSDP2Engine:
         dims = self.layout.dims
         router = None
         if self._moe:
-            router = reduce_router_stats(self.model, self.device.torch_device, self._tokens_group)
+            router = reduce_router_stats(
+                self.model,
+                self.spec.shape.n_experts,
+                self.layout.grad_accum,
+                self.device.torch_device,
+                self._tokens_group,
+                self._pp_group,
+            )
         return StepResult(
             loss=float(global_loss) / (dims.dp * dims.cp), grad_norm=grad_norm, lr=lr, router=router
         )
@@ -224,6 +231,9 @@ class FSDP2Engine:
 
     def _pipeline_micro_steps(self, micro_batches: list[torch.Tensor]) -> torch.Tensor:
         """One schedule step; the mean loss, known on every stage of this pipeline."""
+        if self._moe:  # the schedule cuts micro-batches of layout.micro_batch rows, never padded
+            weights = aux_row_weights(self.layout, None, self.layout.micro_batch, self.device)
+            set_aux_row_weights(self.model, weights)
         with loss_context(self.layout.dims.tp_enabled):
             pairs = [self._inputs_and_targets(self.device.to_device(m)) for m in micro_batches]
             return shared_pipeline_loss(

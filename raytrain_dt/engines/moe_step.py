@@ -15,8 +15,8 @@ from raytrain_dt.topology.layout import Layout
 
 
 def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
-    """The layouts MoE models train under: expert and data parallelism, FSDP, activation
-    checkpointing; not (yet) tensor, pipeline or context parallelism."""
+    """The layouts MoE models train under: expert, data and pipeline parallelism, FSDP,
+    activation checkpointing; not (yet) tensor or context parallelism."""
     dims = layout.dims
     if dims.ep_enabled and not expert_modules(model):
         raise ValueError(
@@ -30,11 +30,11 @@ def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
                 f"parallel.ep: {dims.ep} does not divide model.n_experts={num_experts(experts)}"
             )
     # Capacity and the load-balancing loss are per whole sequence (cp splits it); the tensor
-    # and pipeline plans know nothing of the experts yet.
-    refused = [a for a in ("tp", "pp", "cp") if getattr(dims, a) > 1]
+    # plan knows nothing of the experts.
+    refused = [a for a in ("tp", "cp") if getattr(dims, a) > 1]
     if moe_layers(model) and refused:
         raise ValueError(
-            f"parallel.{refused[0]}: mixture-of-experts models train with tp=1, pp=1 and cp=1 "
+            f"parallel.{refused[0]}: mixture-of-experts models train with tp=1 and cp=1 "
             f"(got {refused[0]}={getattr(dims, refused[0])})"
         )
 
@@ -52,12 +52,16 @@ def aux_row_weights(
     return device.to_device(real.float() * per_row)
 
 
-def reduce_router_stats(model: nn.Module, device: torch.device, group) -> RouterStats | None:
-    """This step's routing over the global batch; None for a dense model. `group`: every
-    rank holding distinct tokens of the batch (dp_cp); one all-reduce over it."""
-    counts = take_router_stats(model, device)
-    if counts is None:
-        return None
+def reduce_router_stats(
+    model: nn.Module, n_experts: int, forwards: int, device: torch.device, group, pp_group=None
+) -> RouterStats:
+    """This step's routing over the global batch: each MoE layer's last `forwards` training
+    forwards (the step's micro-batches). `group`: every rank holding distinct tokens of the
+    batch (dp_cp), one all-reduce over it; `pp_group`: the pipeline, whose stages hold
+    different MoE layers (a second one)."""
+    counts = take_router_stats(model, device, n_experts, forwards)
     dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    if pp_group is not None:
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=pp_group)
     values = counts.tolist()
     return RouterStats(tokens_per_expert=values[:-1], dropped=values[-1])

@@ -94,8 +94,7 @@ def tap_moe_block(block: nn.Module | None, config) -> None:
         batch, seq_len, _ = output.shape
         scores = torch.softmax(routing.pop("logits").float(), dim=-1).view(batch, seq_len, -1)
         experts = routing.pop("experts").view(batch, seq_len, -1)
-        module.router_tap.record(experts)
-        return module.router_tap.attach_aux_loss(output, scores, experts)
+        return module.router_tap.attach(output, scores, experts)
 
     gate.register_forward_hook(keep_routing)
     block.register_forward_hook(attach)

@@ -144,32 +144,27 @@ class RouterTap:
         self.aux_loss_coef = aux_loss_coef
         # Each row's weight in the load-balancing loss (None: the batch mean); engines set it.
         self.row_weights: torch.Tensor | None = None
-        # Assignments each expert accepted, then dropped ones, since the last `take_router_stats`.
-        self.stats: torch.Tensor | None = None
+        # Per training forward since the last `take_router_stats`: assignments each expert
+        # accepted, then dropped ones.
+        self.forwards: list[torch.Tensor] = []
 
-    def record(self, experts: torch.Tensor, keep: torch.Tensor | None = None) -> None:
-        """Add a forward's routing (`experts` (batch, seq, k), `keep`: the assignments within
-        capacity, None for all) to `stats`, padding rows left out; not during backward
-        (activation checkpointing recomputes the forward there, which must not count twice)."""
-        if torch._C._current_graph_task_id() != -1:
-            return
-        with torch.no_grad():
-            if self.row_weights is not None:  # a padded layout's padding rows weigh 0
-                real = self.row_weights != 0
-                experts = experts[real]
-                keep = None if keep is None else keep[real]
-            kept = experts.flatten() if keep is None else experts[keep]
-            accepted = torch.bincount(kept, minlength=self.n_experts)
-            dropped = accepted.new_full((1,), experts.numel() - kept.numel())
-            current = torch.cat((accepted, dropped))
-            self.stats = current if self.stats is None else self.stats + current
-
-    def attach_aux_loss(
-        self, output: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor
+    def attach(
+        self,
+        output: torch.Tensor,
+        scores: torch.Tensor,
+        experts: torch.Tensor,
+        keep: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`output`, carrying the gradient of the load-balancing loss of `scores` (batch, seq,
-        E) and `experts` (batch, seq, k), each row weighted by `row_weights`."""
-        if self.aux_loss_coef <= 0 or not torch.is_grad_enabled():
+        """Record this training forward's routing (`keep`: the assignments within capacity,
+        None for all; padding rows left out; not activation checkpointing's recompute in
+        backward, which must not count twice) and return `output`, carrying in backward the
+        gradient of the load-balancing loss of `scores` (batch, seq, E) and `experts` (batch,
+        seq, k), each row weighted by `row_weights`. Evaluation (no grad): `output` as is."""
+        if not (torch.is_grad_enabled() and output.requires_grad):
+            return output
+        if torch._C._current_graph_task_id() == -1:
+            self.forwards.append(self._routing(experts, keep))
+        if self.aux_loss_coef <= 0:
             return output
         per_row = load_balancing_loss(scores, experts, self.n_experts)
         weights = self.row_weights
@@ -177,6 +172,16 @@ class RouterTap:
             weights = torch.full_like(per_row, 1.0 / per_row.numel())
         aux = self.aux_loss_coef * (per_row * weights.to(per_row)).sum()
         return AuxLossAutoScaler.apply(output, aux)
+
+    @torch.no_grad()
+    def _routing(self, experts: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        if self.row_weights is not None:  # a padded layout's padding rows weigh 0
+            real = self.row_weights != 0
+            experts = experts[real]
+            keep = None if keep is None else keep[real]
+        kept = experts.flatten() if keep is None else experts[keep]
+        accepted = torch.bincount(kept, minlength=self.n_experts)
+        return torch.cat((accepted, accepted.new_full((1,), experts.numel() - kept.numel())))
 
 
 class MoEFeedForward(nn.Module):
@@ -199,11 +204,10 @@ class MoEFeedForward(nn.Module):
         scores, experts, weights = route(self.router(x), self.top_k)
         capacity = expert_capacity(self.capacity_factor, seq_len, self.top_k, self.n_experts)
         keep = capacity_keep(experts, self.n_experts, capacity)
-        self.router_tap.record(experts, keep)
         # The kept assignments as flat lists, sorted by expert (stable: position order).
         token_of = torch.arange(batch * seq_len, device=x.device).repeat_interleave(self.top_k)
-        keep, expert_of, weight_of = keep.flatten(), experts.flatten(), weights.flatten()
-        token_of, expert_of, weight_of = token_of[keep], expert_of[keep], weight_of[keep]
+        kept, expert_of, weight_of = keep.flatten(), experts.flatten(), weights.flatten()
+        token_of, expert_of, weight_of = token_of[kept], expert_of[kept], weight_of[kept]
         order = torch.argsort(expert_of, stable=True)
         token_of, weight_of = token_of[order], weight_of[order]
         counts = torch.bincount(expert_of, minlength=self.n_experts)
@@ -212,7 +216,7 @@ class MoEFeedForward(nn.Module):
         out = torch.zeros_like(flat).index_add(0, token_of, routed).view_as(x)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
-        return self.router_tap.attach_aux_loss(out, scores, experts)
+        return self.router_tap.attach(out, scores, experts, keep)
 
 
 def moe_layers(model: nn.Module) -> list[RouterTap]:
@@ -230,16 +234,26 @@ def set_aux_row_weights(model: nn.Module, row_weights: torch.Tensor | None) -> N
         tap.row_weights = row_weights
 
 
-def take_router_stats(model: nn.Module, device: torch.device) -> torch.Tensor | None:
+def take_router_stats(
+    model: nn.Module,
+    device: torch.device,
+    n_experts: int | None = None,
+    forwards: int | None = None,
+) -> torch.Tensor | None:
     """(E + 1,) on `device`: assignments each expert accepted, then dropped ones, summed
-    over this model's MoE layers since the last call (which resets them); None for a dense
-    model."""
+    over this model's MoE layers and their training forwards since the last call (which
+    resets them); with `forwards`, each layer's last that many only (a step's micro-batches:
+    a pipeline stage's first step also runs a shape-inference forward before them). A model
+    part with no MoE layer (a pipeline stage of dense blocks) gives zeros when `n_experts` is
+    known, else None, as a dense model does."""
     taps = moe_layers(model)
-    if not taps:
-        return None
-    taken = [tap.stats for tap in taps if tap.stats is not None]
+    taken = []
     for tap in taps:
-        tap.stats = None
-    if not taken:
-        return torch.zeros(taps[0].n_experts + 1, dtype=torch.long, device=device)
-    return torch.stack(taken).sum(dim=0)
+        taken.extend(tap.forwards[-forwards:] if forwards else tap.forwards)
+        tap.forwards = []
+    if taken:
+        return torch.stack(taken).sum(dim=0)
+    n_experts = taps[0].n_experts if taps else n_experts
+    if not n_experts:
+        return None
+    return torch.zeros(n_experts + 1, dtype=torch.long, device=device)

@@ -50,6 +50,9 @@ LAYOUTS = {
     # Each ep rank's two experts FSDP-sharded over the two ranks holding them.
     "ep2xdp_shard4": _layout(dp_shard=4, ep=2),
     # Expert replicas over dp_replicate; the forward recomputed in backward counts once.
+    # Pipeline stages hold different MoE layers: router statistics sum over pp too.
+    "pp2-1f1b": _layout(pp=2),
+    "pp2xep2": _layout(pp=2, dp_shard=2, ep=2),
     "ep2xdp_replicate2+ac": _layout(
         dp_replicate=2, dp_shard=2, ep=2, activation_checkpointing=True
     ),

@@ -95,7 +95,11 @@ def test_block_equals_the_token_by_token_computation_and_counts_its_drops():
     x = torch.randn(3, 8, 64)
     with torch.no_grad():
         assert torch.allclose(block(x), _token_by_token(block, x), atol=1e-5)
-    stats = take_router_stats(block, torch.device("cpu"))
+    # Evaluation forwards are not counted; training forwards are.
+    assert take_router_stats(block, torch.device("cpu"), 4).sum() == 0
+    block(torch.randn(3, 8, 64, requires_grad=True))  # counted, then left out: forwards=1
+    block(x.requires_grad_())
+    stats = take_router_stats(block, torch.device("cpu"), forwards=1)
     # capacity ceil(0.5 * 8 * 2 / 4) = 2 per expert and sequence: at most 8 of 16 kept each.
     accepted, dropped = stats[:-1], int(stats[-1])
     assert int(accepted.sum()) + dropped == 3 * 8 * 2
@@ -103,7 +107,7 @@ def test_block_equals_the_token_by_token_computation_and_counts_its_drops():
     assert dropped == sum(max(0, c - 2) for c in counts) > 0
     per_expert = torch.tensor([min(c, 2) for c in counts]).view(3, 4).sum(dim=0)
     assert accepted.tolist() == per_expert.tolist()
-    assert take_router_stats(block, torch.device("cpu")).sum() == 0  # taken: reset
+    assert take_router_stats(block, torch.device("cpu"), 4).sum() == 0  # taken: reset
 
 
 def _per_sequence_counts(block: MoEFeedForward, x: torch.Tensor) -> list[int]:
@@ -141,6 +145,7 @@ def test_layouts_an_moe_model_is_refused_in():
         check_moe_layout(moe, "moe-tiny", layout(world=3, dp_shard=3, ep=3))
     with pytest.raises(ValueError, match=r"^parallel\.ep: model 'tiny' has no experts"):
         check_moe_layout(dense, "tiny", layout(world=2, dp_shard=2, ep=2))
+    check_moe_layout(moe, "moe-tiny", layout(world=2, pp=2))
     with pytest.raises(ValueError, match=r"^parallel\.tp: "):
         check_moe_layout(moe, "moe-tiny", layout(world=2, tp=2))
     with pytest.raises(ValueError, match=r"^parallel\.cp: "):
