@@ -118,6 +118,8 @@ def step_values(record: dict) -> dict[str, float]:
     peaks = [b for b in record.get("mem_peak_bytes", []) if b is not None]
     if peaks:
         values["peak_mem_gib"] = max(peaks) / 2**30
+    if "router" in record:  # mixture-of-experts runs: the share of token copies dropped
+        values["moe/drop_rate"] = record["router"]["drop_rate"]
     return values
 
 

@@ -164,6 +164,10 @@ def test_router_stats_reach_the_metrics_record_only_for_moe_models():
     moe = record(RouterStats(tokens_per_expert=[3, 1, 0, 4], dropped=2))
     assert moe["router"] == {"tokens_per_expert": [3, 1, 0, 4], "dropped": 2, "drop_rate": 0.2}
     assert "router" not in record(None)
+    from raytrain_dt.observe.trackers import step_values
+
+    assert step_values(moe)["moe/drop_rate"] == 0.2
+    assert "moe/drop_rate" not in step_values(record(None))
 
 
 @pytest.mark.parametrize(
