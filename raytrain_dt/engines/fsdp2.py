@@ -153,20 +153,27 @@ class FSDP2Engine:
         fully_shard(model, reshard_after_forward=False, **shard_kwargs)
 
     def _shard_experts(self, block: nn.Module, reshard: bool, shard_kwargs: dict) -> None:
-        """Under ep > 1: each expert group's FSDP unit, over the ranks holding the same experts.
-        Its gradient sums every ep peer's tokens, so it is divided by the whole DP mesh's size
-        (as every other gradient is), not by the expert mesh's."""
+        """Under ep > 1: each expert group's FSDP unit, over the ranks holding the same experts
+        (`expert_fsdp_mesh`; under cp also the cp ranks, whose expert gradients are summed by
+        an all-reduce after FSDP's reduction). Its gradient sums every ep peer's tokens, so it
+        is divided by the whole DP mesh's size (as every other gradient is), not by the
+        expert mesh's."""
         dp_size = shard_kwargs["mesh"].size()
         mesh = expert_fsdp_mesh(self.mesh)
         # That divide factor reduce-scatters with PREMUL_SUM, which only NCCL has; elsewhere a
         # sum, then a division. Not with one shard: torch 2.13 then divides twice (its copy
         # path for a single rank divides and so does the post-division); nor is it needed
         # there, as no reduce-scatter runs.
-        force_sum = not self.device.premul_sum and mesh["dp_shard_mod_ep_cp"].size() > 1
+        force_sum = not self.device.premul_sum and mesh["dp_shard_mod_ep"].size() > 1
         for experts in expert_modules(block):
             fully_shard(experts, reshard_after_forward=reshard, **{**shard_kwargs, "mesh": mesh})
             experts.set_gradient_divide_factor(float(dp_size))
             experts.set_force_sum_reduction_for_comms(force_sum)
+            if self.layout.dims.cp_enabled:
+                experts.set_all_reduce_hook(self._sum_over_cp)
+
+    def _sum_over_cp(self, reduced_grad: torch.Tensor) -> None:
+        dist.all_reduce(reduced_grad, op=dist.ReduceOp.SUM, group=self.mesh["cp"].get_group())
 
     def train_step(
         self, micro_batches: list[torch.Tensor], step: int, real: list[torch.Tensor] | None = None

@@ -15,8 +15,8 @@ from raytrain_dt.topology.layout import Layout
 
 
 def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
-    """The layouts MoE models train under: expert, data and pipeline parallelism, FSDP,
-    activation checkpointing; not (yet) tensor or context parallelism."""
+    """The layouts MoE models train under: expert, data, pipeline and context parallelism,
+    FSDP, activation checkpointing; not tensor parallelism."""
     dims = layout.dims
     if dims.ep_enabled and not expert_modules(model):
         raise ValueError(
@@ -29,13 +29,11 @@ def check_moe_layout(model: nn.Module, model_name: str, layout: Layout) -> None:
             raise ValueError(
                 f"parallel.ep: {dims.ep} does not divide model.n_experts={num_experts(experts)}"
             )
-    # Capacity and the load-balancing loss are per whole sequence (cp splits it); the tensor
-    # plan knows nothing of the experts.
-    refused = [a for a in ("tp", "cp") if getattr(dims, a) > 1]
-    if moe_layers(model) and refused:
+    # The tensor-parallel plan knows nothing of the experts.
+    if moe_layers(model) and dims.tp_enabled:
         raise ValueError(
-            f"parallel.{refused[0]}: mixture-of-experts models train with tp=1 and cp=1 "
-            f"(got {refused[0]}={getattr(dims, refused[0])})"
+            f"parallel.tp: mixture-of-experts models train with tp=1 (got tp={dims.tp}); "
+            "their experts are split by parallel.ep"
         )
 
 

@@ -27,6 +27,8 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+import torch.distributed.nn.functional as dist_fn
 import torch.nn.functional as F
 from torch import nn
 
@@ -47,26 +49,69 @@ def route(logits: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor,
     return scores, experts, weights / weights.sum(dim=-1, keepdim=True)
 
 
-def capacity_keep(experts: torch.Tensor, n_experts: int, capacity: int) -> torch.Tensor:
+def capacity_keep(
+    experts: torch.Tensor, n_experts: int, capacity: int, split: SequenceSplit | None = None
+) -> torch.Tensor:
     """Which assignments of `experts` (batch, seq, k) an expert accepts: at most `capacity` per
     expert and sequence, in position order (a token's k experts are distinct, so the order
-    within a token does not matter)."""
+    within a token does not matter). `split`: this rank holds chunks of each sequence
+    (context parallelism); the assignments of the chunks before each count first."""
     if capacity <= 0:
         return torch.ones_like(experts, dtype=torch.bool)
-    chosen = F.one_hot(experts, n_experts)  # (batch, seq, k, E)
-    # The 1-based arrival number of each assignment at its expert, within its sequence.
-    arrivals = chosen.sum(dim=2).cumsum(dim=1)  # (batch, seq, E)
-    arrival = arrivals.gather(2, experts)  # (batch, seq, k)
-    return arrival <= capacity
+    per_position = F.one_hot(experts, n_experts).sum(dim=2)  # (batch, seq, E)
+    if split is None:
+        # The 1-based arrival number of each assignment at its expert, within its sequence.
+        arrivals = per_position.cumsum(dim=1)
+    else:
+        arrivals = split.arrivals(per_position)
+    return arrivals.gather(2, experts) <= capacity  # (batch, seq, k)
 
 
 def load_balancing_loss(
-    scores: torch.Tensor, experts: torch.Tensor, n_experts: int
+    scores: torch.Tensor, experts: torch.Tensor, n_experts: int, split: SequenceSplit | None = None
 ) -> torch.Tensor:
-    """Per sequence (batch,): n_experts * sum_e f_e * P_e over its positions."""
-    routed_share = F.one_hot(experts, n_experts).sum(dim=2).float().mean(dim=1)  # (batch, E)
-    mean_score = scores.mean(dim=1)  # (batch, E)
-    return n_experts * (routed_share * mean_score).sum(dim=-1)
+    """Per sequence (batch,): n_experts * sum_e f_e * P_e over its positions (`split`: over
+    every cp rank's positions; each holding rank then computes the same value)."""
+    routed = F.one_hot(experts, n_experts).sum(dim=(1, 2)).float()  # (batch, E)
+    score_sums = scores.sum(dim=1)  # (batch, E)
+    seq_len = scores.shape[1]
+    if split is not None:
+        routed, score_sums = split.total(routed), split.total(score_sums)
+        seq_len *= split.cp
+    return n_experts * (routed / seq_len * score_sums / seq_len).sum(dim=-1)
+
+
+class SequenceSplit:
+    """This rank's part of each sequence under context parallelism: chunks `rank` and
+    2·cp-1-`rank` of 2·cp (`parallel.context_parallel.chunk_positions`), the others on the
+    cp group's ranks. Capacity and the load-balancing loss are per whole sequence, so they
+    combine counts over the group."""
+
+    def __init__(self, group, cp: int, rank: int):
+        self.group, self.cp, self.rank = group, cp, rank
+
+    def total(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(batch, E) summed over the group's ranks (differentiable: each rank's gradient
+        reaches every rank's positions)."""
+        return dist_fn.all_reduce(per_row, group=self.group)
+
+    def arrivals(self, per_position: torch.Tensor) -> torch.Tensor:
+        """1-based arrival numbers (batch, local seq, E) of each position's assignments at
+        each expert, counting every earlier position of the whole sequence."""
+        batch, local_len, n_experts = per_position.shape
+        chunks = per_position.view(batch, 2, local_len // 2, n_experts)
+        per_chunk = chunks.sum(dim=2)  # (batch, 2, E): this rank's two chunks
+        gathered = [torch.empty_like(per_chunk) for _ in range(self.cp)]
+        dist.all_gather(gathered, per_chunk, group=self.group)
+        ordered = torch.empty(
+            batch, 2 * self.cp, n_experts, dtype=per_chunk.dtype, device=per_chunk.device
+        )
+        for rank, counts in enumerate(gathered):
+            ordered[:, rank] = counts[:, 0]
+            ordered[:, 2 * self.cp - 1 - rank] = counts[:, 1]
+        before = ordered.cumsum(dim=1) - ordered  # assignments in earlier chunks
+        mine = before[:, [self.rank, 2 * self.cp - 1 - self.rank]]  # (batch, 2, E)
+        return (chunks.cumsum(dim=2) + mine[:, :, None, :]).view_as(per_position)
 
 
 class AuxLossAutoScaler(torch.autograd.Function):
@@ -144,6 +189,8 @@ class RouterTap:
         self.aux_loss_coef = aux_loss_coef
         # Each row's weight in the load-balancing loss (None: the batch mean); engines set it.
         self.row_weights: torch.Tensor | None = None
+        # Context parallelism's split of each sequence over ranks (None: whole sequences).
+        self.split: SequenceSplit | None = None
         # Per training forward since the last `take_router_stats`: assignments each expert
         # accepted, then dropped ones.
         self.forwards: list[torch.Tensor] = []
@@ -166,7 +213,7 @@ class RouterTap:
             self.forwards.append(self._routing(experts, keep))
         if self.aux_loss_coef <= 0:
             return output
-        per_row = load_balancing_loss(scores, experts, self.n_experts)
+        per_row = load_balancing_loss(scores, experts, self.n_experts, self.split)
         weights = self.row_weights
         if weights is None:
             weights = torch.full_like(per_row, 1.0 / per_row.numel())
@@ -202,8 +249,10 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, dim = x.shape
         scores, experts, weights = route(self.router(x), self.top_k)
-        capacity = expert_capacity(self.capacity_factor, seq_len, self.top_k, self.n_experts)
-        keep = capacity_keep(experts, self.n_experts, capacity)
+        split = self.router_tap.split
+        full_len = seq_len * (split.cp if split is not None else 1)
+        capacity = expert_capacity(self.capacity_factor, full_len, self.top_k, self.n_experts)
+        keep = capacity_keep(experts, self.n_experts, capacity, split)
         # The kept assignments as flat lists, sorted by expert (stable: position order).
         token_of = torch.arange(batch * seq_len, device=x.device).repeat_interleave(self.top_k)
         kept, expert_of, weight_of = keep.flatten(), experts.flatten(), weights.flatten()
@@ -257,3 +306,11 @@ def take_router_stats(
     if not n_experts:
         return None
     return torch.zeros(n_experts + 1, dtype=torch.long, device=device)
+
+
+def split_sequences(model: nn.Module, cp_mesh) -> None:
+    """Context parallelism for `model`'s MoE layers: each rank holds chunks of every sequence
+    (`SequenceSplit`), so capacity and the load-balancing loss count over the cp group."""
+    split = SequenceSplit(cp_mesh.get_group(), cp_mesh.size(), cp_mesh.get_local_rank())
+    for tap in moe_layers(model):
+        tap.split = split

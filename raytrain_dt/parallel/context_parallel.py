@@ -35,6 +35,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from raytrain_dt.models.moe import split_sequences
+
 # The label of a position with no next token (the sequence's last): cross-entropy skips it.
 IGNORE_INDEX = -100
 # Point-to-point tags, so the K/V and their gradients in flight at once never cross.
@@ -282,3 +284,4 @@ def apply_context_parallel(model: nn.Module, cp_mesh: DeviceMesh, seq_len: int) 
     ring = Ring(cp_mesh.get_group())
     for block in model.layers.values():
         block.attention.ring = ring
+    split_sequences(model, cp_mesh)

@@ -4,7 +4,7 @@ flattened ones the engines address (`dp`, `dp_shard_cp`, `dp_cp`). Worker plane 
 With expert parallelism (ep > 1) dp_shard is built as two axes, ("dp_shard_mod_ep", "ep") with
 ep innermost (`ParallelDims.ep_groups`: ep consecutive dp_shard indices), and flattened back
 into `dp_shard`, so every name above means what it means without ep. The experts' own FSDP
-mesh is ("dp_replicate", "dp_shard_mod_ep_cp"): the ranks holding the same experts.
+mesh is ("dp_replicate", "dp_shard_mod_ep") (`expert_fsdp_mesh`).
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten(mesh_dim_name="dp")
     mesh["dp_shard_mod_ep", "ep", "cp"]._flatten(mesh_dim_name="dp_shard_cp")
     mesh["dp_replicate", "dp_shard_mod_ep", "ep", "cp"]._flatten(mesh_dim_name="dp_cp")
-    mesh["dp_shard_mod_ep", "cp"]._flatten(mesh_dim_name="dp_shard_mod_ep_cp")
     return mesh
 
 
 def expert_fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh experts' parameters are FSDP-sharded (and replicated) over under ep > 1."""
-    return mesh["dp_replicate", "dp_shard_mod_ep_cp"]
+    """The mesh experts' parameters are FSDP-sharded (and replicated) over under ep > 1. Not
+    over cp: a mesh of experts' DTensors lists its axes in the root mesh's order, and cp comes
+    after ep there; the cp ranks' expert gradients are summed by the engine instead."""
+    return mesh["dp_replicate", "dp_shard_mod_ep"]

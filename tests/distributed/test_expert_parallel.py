@@ -1,7 +1,9 @@
 """Mixture-of-experts training (moe-tiny, capacity_factor 1 so experts do drop tokens) equals
-the single-process reference within 1e-5 under data parallelism, expert parallelism (ep=2), ep
-with FSDP-sharded experts (dp_shard=4, ep=2), ep with replicated experts (HSDP) and activation
-checkpointing, and ep on the emulated accelerator (its collectives refuse host tensors, as
+the single-process reference within 1e-5 under data parallelism (a padded dp=3 too), expert
+parallelism (ep=2), ep with FSDP-sharded experts (dp_shard=4, ep=2), ep with replicated experts
+(HSDP) and activation checkpointing, context parallelism (capacity and the load-balancing loss
+counted over the cp ranks' chunks) with and without ep, pipeline stages with and without ep,
+and ep on the emulated accelerator (its collectives refuse host tensors, as
 NCCL's do: the dispatch's counts and tokens live on the device). The router statistics (tokens
 per expert, dropped assignments) equal the reference's exactly: capacity is counted per
 sequence, so the drops do not depend on the layout. A checkpoint written at ep=2 continues at
@@ -50,6 +52,9 @@ LAYOUTS = {
     # Each ep rank's two experts FSDP-sharded over the two ranks holding them.
     "ep2xdp_shard4": _layout(dp_shard=4, ep=2),
     # Expert replicas over dp_replicate; the forward recomputed in backward counts once.
+    # Each sequence split over 2 ranks: capacity and the load-balancing loss count over both.
+    "cp2": _layout(cp=2),
+    "cp2xep2": _layout(dp_shard=2, ep=2, cp=2),
     # Pipeline stages hold different MoE layers: router statistics sum over pp too.
     "pp2-1f1b": _layout(pp=2),
     "pp2xep2": _layout(pp=2, dp_shard=2, ep=2),
