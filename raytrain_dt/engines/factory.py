@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from raytrain_dt.engines.base import Engine, EngineBuild
+from raytrain_dt.topology.pins import engine_refusal
 
 
 def build_engine(build: EngineBuild) -> Engine:
@@ -14,11 +15,11 @@ def build_engine(build: EngineBuild) -> Engine:
         from raytrain_dt.engines.fsdp2 import FSDP2Engine
 
         return FSDP2Engine(build)
-    if cfg.engine.name == "deepspeed" and build.spec.shape.is_moe:
-        raise ValueError(
-            "engine.name: deepspeed does not train mixture-of-experts models "
-            f"({build.spec.name!r}); use fsdp2"
-        )
+    # The planner refuses this before any rank starts; a model given through the API is
+    # checked here too.
+    refusal = engine_refusal(cfg.engine.name, None, None, None, moe=build.spec.shape.is_moe)
+    if refusal:
+        raise ValueError(refusal)
     if cfg.engine.name == "deepspeed" and layout.dims.pp_enabled:
         from raytrain_dt.engines.deepspeed_pipeline import DeepSpeedPipelineEngine
 

@@ -13,10 +13,10 @@ that have no preset.
 Context parallelism (cp) splits every sequence over cp ranks: each holds seq_len/cp tokens'
 activations, plus the ring's K/V buffers; FSDP2 shards the states over dp_shard x cp.
 Expert parallelism (ep) splits each MoE block's routed experts over ep of the dp_shard ranks,
-which FSDP2 then shards over the remaining dp_shard/ep x cp (the mesh `parallel/device_mesh.py`
-calls dp_shard_mod_ep_cp): a rank's resident expert states are 1/(dp_shard x cp) of them either
-way, but the unsharded copy it gathers for compute (and the gradients it holds before reducing
-them) is 1/ep of the experts.
+which FSDP2 then shards over the remaining dp_shard/ep (`parallel/device_mesh.expert_fsdp_mesh`;
+cp ranks hold the same expert shards, whose gradients the engine sums over cp): a rank's
+resident expert states are 1/dp_shard of them with or without ep, but the unsharded copy it
+gathers for compute (and the gradients it holds before reducing them) is 1/ep of the experts.
 """
 
 from __future__ import annotations
@@ -142,20 +142,22 @@ def model_state_bytes(
     ZeRO/FSDP degree (dp_shard). These are the sharded states only (`resident_bytes_per_param`);
     `estimate_memory` adds the transient buffers of forward and backward. FSDP2 shards the
     non-expert states over dp_shard x `cp` (at zero 0 over cp alone), and a rank's `ep`-th of
-    the routed experts over dp_shard / ep x cp (the module docstring)."""
+    the routed experts over dp_shard / ep, the same on every cp rank (the module docstring)."""
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"zero_stage must be 0..3, got {zero_stage}")
     split = (shape, pp, virtual_stages, pp_layers)
     experts = stage_expert_params(*split) / tp
     dense = stage_params(*split) / tp - experts
-    # FSDP2's shard meshes take in the cp ranks: dp_shard x cp, and dp_shard / ep x cp.
+    # FSDP2's mesh of the non-expert states takes in the cp ranks (dp_shard x cp); the experts'
+    # (dp_shard / ep) does not: an expert mesh lists its axes in the root mesh's order, where
+    # cp comes after ep.
     over_cp = cp if engine == "fsdp2" else 1
     dense_bytes = resident_bytes_per_param(engine, precision, zero_stage, shard)
     params, grads, optimizer = (dense * b / over_cp for b in dense_bytes)
     if experts:
         expert_bytes = resident_bytes_per_param(engine, precision, zero_stage, max(1, shard // ep))
         params, grads, optimizer = (
-            total + experts / ep * b / over_cp
+            total + experts / ep * b
             for total, b in zip((params, grads, optimizer), expert_bytes, strict=True)
         )
     # FSDP2's CPUOffloadPolicy (engine.offload_optimizer) moves the parameter and gradient

@@ -87,8 +87,9 @@ def engine_refusal(
     precision: str = "fp32",
     cp: int | None = None,
     ep: int | None = None,
+    moe: bool = False,
 ) -> str | None:
-    """Why `engine` cannot run these degrees, as one line naming the config keys; None if it can.
+    """Why `engine` cannot run these degrees (of a mixture-of-experts model when `moe`), as one line naming the config keys; None if it can.
 
     DeepSpeed runs ZeRO data parallelism, and ZeRO-1 under pipeline parallelism (our pipeline
     schedules, every `parallel.pp_schedule`; DeepSpeed shards each stage's optimizer over its
@@ -103,6 +104,13 @@ def engine_refusal(
     """
     if engine != "deepspeed":
         return None
+    if moe:
+        # Not only ep > 1: our MoE block's routing statistics and load-balancing loss are
+        # wired into the FSDP2 engine's step only.
+        return (
+            "engine.name: deepspeed does not train mixture-of-experts models in this project "
+            "(DeepSpeed-MoE is not wired in); use engine.name=fsdp2"
+        )
     for key, degree, theirs in (
         ("cp", cp, "Ulysses sequence parallelism"),
         ("ep", ep, "DeepSpeed-MoE expert parallelism"),
@@ -279,7 +287,7 @@ def validate_pins(
     refusal = (
         model_refusal(shape, pins, cp_attention)
         or context_parallel_refusal(pins.cp or 1, seq_len or 0)
-        or engine_refusal(engine, tp, pp, z, precision, pins.cp, pins.ep)
+        or engine_refusal(engine, tp, pp, z, precision, pins.cp, pins.ep, moe=shape.is_moe)
     )
     if refusal:
         raise ConfigError(refusal)

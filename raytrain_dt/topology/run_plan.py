@@ -41,7 +41,9 @@ def check_parallel_pins(cfg: TrainConfig, shape: ModelShape) -> None:
     refusal = (
         model_refusal(shape, pins, cp_attention=not cfg.model.hf)
         or context_parallel_refusal(pins.cp or 1, cfg.data.seq_len)
-        or engine_refusal(cfg.engine.name, None, None, None, cp=pins.cp, ep=pins.ep)
+        or engine_refusal(
+            cfg.engine.name, None, None, None, cp=pins.cp, ep=pins.ep, moe=shape.is_moe
+        )
     )
     if refusal:
         raise ConfigError(refusal)

@@ -93,9 +93,10 @@ def test_expert_states_divide_by_ep() -> None:
     assert model_state_bytes(MIXTRAL, shard=16, zero_stage=1, ep=2) == pytest.approx(
         model_state_bytes(MIXTRAL, shard=16, zero_stage=1, ep=8)
     )
-    # With cp, FSDP2 shards the experts over dp_shard/ep x cp too (dp_shard_mod_ep_cp).
+    # With cp, FSDP2 shards the non-expert states over dp_shard x cp, but the experts only
+    # over dp_shard/ep: the cp ranks hold the same expert shards (`expert_fsdp_mesh`).
     assert model_state_bytes(MIXTRAL, shard=8, zero_stage=1, ep=8, cp=2) == pytest.approx(
-        tuple(x / 2 for x in (p, g, o))
+        tuple(x * (dense / 16 + experts / 8) for x in (4, 4, 8))
     )
     # What ep cuts is the unsharded copy a rank gathers (zero 1/2 keep every block's) and the
     # gradients it holds before reducing them: 1/ep of the experts.
@@ -187,9 +188,9 @@ def test_moe_plan_picks_ep_and_says_why() -> None:
     assert p.best.step_time.ep_comm_s > 0
     # No tensor parallelism for MoE blocks (not built): no candidate has it.
     assert all(c.layout.dims.tp == 1 for c in [p.best, *p.alternatives])
-    # DeepSpeed has no EP here: it plans without.
-    ds = plan(MIXTRAL, Topology(8, 8), global_batch=1024, seq_len=4096, engine="deepspeed")
-    assert ds.best.layout.dims.ep == 1
+    # DeepSpeed-MoE is not wired in: a MoE model under DeepSpeed is refused, ep or not.
+    with pytest.raises(ConfigError, match=r"^engine\.name: deepspeed does not train mixture"):
+        plan(MIXTRAL, Topology(8, 8), global_batch=1024, seq_len=4096, engine="deepspeed")
 
 
 def test_pinned_cp_and_ep_give_layouts_with_those_degrees() -> None:
@@ -284,9 +285,8 @@ def test_layout_records_carry_cp_and_ep_and_read_back_equal() -> None:
             MOE_TINY,
             LayoutPins(ep=2),
             {"engine": "deepspeed", "precision": "fp32"},
-            "parallel.ep: 2 is not supported with engine.name=deepspeed (DeepSpeed's own "
-            "DeepSpeed-MoE expert parallelism is not wired into this project); use "
-            "engine.name=fsdp2 or parallel.ep=1",
+            "engine.name: deepspeed does not train mixture-of-experts models in this project "
+            "(DeepSpeed-MoE is not wired in); use engine.name=fsdp2",
         ),
     ],
 )
