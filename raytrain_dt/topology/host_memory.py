@@ -27,6 +27,7 @@ from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import (
     GB,
     estimate_memory,
+    layout_degrees,
     model_state_bytes,
     resident_bytes_per_param,
     stage_params,
@@ -91,17 +92,8 @@ def rank_checkpoint_bytes(
     """The rank's shard of model and optimizer states (what its async save stages): its
     pipeline stage, its TP slice, and its ZeRO/FSDP shard when the states are sharded (over
     dp_shard x cp, its experts over dp_shard/ep: `memory.model_state_bytes`)."""
-    d = layout.dims
     params, _, optimizer = model_state_bytes(
-        shape,
-        tp=d.tp,
-        pp=d.pp,
-        shard=d.dp_shard,
-        zero_stage=layout.zero_stage,
-        precision=precision,
-        engine=engine,
-        cp=d.cp,
-        ep=d.ep,
+        shape, **layout_degrees(layout), precision=precision, engine=engine
     )
     return params + optimizer
 
@@ -112,21 +104,13 @@ def offloaded_bytes(
     """Host bytes of the rank's offloaded states (0 without `offload_optimizer`)."""
     if not layout.offload_optimizer:
         return 0.0
-    d = layout.dims
     params, grads, optimizer = model_state_bytes(
-        shape,
-        tp=d.tp,
-        pp=d.pp,
-        shard=d.dp_shard,
-        zero_stage=layout.zero_stage,
-        precision=precision,
-        engine=engine,
-        cp=d.cp,
-        ep=d.ep,
+        shape, **layout_degrees(layout), precision=precision, engine=engine
     )
     if engine == "fsdp2":  # CPUOffloadPolicy: parameter, gradient and optimizer shards
         return params + grads + optimizer
     # ZeRO-Offload: fp32 master and Adam moments, and the fp32 gradient partition they step on.
+    d = layout.dims
     return optimizer + stage_params(shape, d.pp) / d.tp * 4.0 / d.dp_shard
 
 

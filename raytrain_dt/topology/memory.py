@@ -352,6 +352,22 @@ def activation_bytes(
     return max(blocks * per_block + last * logits for blocks, last in peaks) + working
 
 
+def layout_degrees(layout: Layout) -> dict:
+    """The keyword arguments `model_state_bytes` and `working_state_bytes` take from a layout:
+    what splits and shards the model's states on a rank."""
+    d = layout.dims
+    return {
+        "tp": d.tp,
+        "pp": d.pp,
+        "shard": d.dp_shard,
+        "zero_stage": layout.zero_stage,
+        "virtual_stages": layout.virtual_stages,
+        "pp_layers": layout.pp_layers,
+        "cp": d.cp,
+        "ep": d.ep,
+    }
+
+
 def estimate_memory(
     shape: ModelShape,
     layout: Layout,
@@ -368,16 +384,7 @@ def estimate_memory(
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
     d = layout.dims
-    degrees = {
-        "tp": d.tp,
-        "pp": d.pp,
-        "shard": d.dp_shard,
-        "zero_stage": layout.zero_stage,
-        "virtual_stages": layout.virtual_stages,
-        "pp_layers": layout.pp_layers,
-        "cp": d.cp,
-        "ep": d.ep,
-    }
+    degrees = layout_degrees(layout)
     params, grads, optimizer = model_state_bytes(
         shape,
         **degrees,
