@@ -133,8 +133,8 @@ def dp_comm_s(
     reduce-scatters gradients, all prefetched behind compute. With HSDP the sharded ops stay in
     the dp_shard group and the shards' gradients are all-reduced across dp_replicate after each
     reduce-scatter. Context parallel ranks join the shard group (FSDP2's dp_shard x cp mesh; at
-    zero 0 they are its only shards); a rank's routed experts are sharded over dp_shard/ep x cp
-    (`memory.py`).
+    zero 0 they are its only shards); a rank's routed experts are sharded over dp_shard/ep and
+    the same on every cp rank, so their gradients are also all-reduced over cp (`memory.py`).
     """
     d = layout.dims
     if d.dp * d.cp == 1:
@@ -167,7 +167,7 @@ def _dp_collectives(
     # (parameters, shard degree, replica degree) of the non-expert and the expert states.
     for params, shard, rep in (
         (_local_params(shape, layout) - experts, d.dp_shard * d.cp, d.dp_replicate),
-        (experts / d.ep, d.dp_shard // d.ep * d.cp, d.dp_replicate),
+        (experts / d.ep, d.dp_shard // d.ep, d.dp_replicate * d.cp),
     ):
         if params:
             rs += reduce_scatter_s(params * g_bytes, shard, *shard_link)
