@@ -15,20 +15,10 @@ optimizer step on it), so the copy overlaps the next step's forward and backward
 
 Reuse is safe only while no write still reads the buffers: the caller keeps one save in flight
 (`RankCheckpointer.save` waits for the previous one first).
-
-Background checkpoint threads (this staging copy, DCP's async write, the in-memory copies'
-serialisation) run at the lowest CPU priority (`yield_to_training`): where ranks compute on
-host cores (CPU ranks), a copy at equal priority takes cores from the step and every peer then
-waits for the slowed rank at its next collective; at the lowest priority it fills the cores'
-idle time instead (collective waits, data waits), and where it must finish first (the next
-optimizer step waits for the staging copy) the blocked step leaves it the cores anyway.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
-import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -45,11 +35,7 @@ class ReusableStager(AsyncStager):
         self._staged: Any = None
         self._signature: Any = None
         self._executor = (
-            ThreadPoolExecutor(
-                1, thread_name_prefix="checkpoint-staging", initializer=yield_to_training
-            )
-            if background
-            else None
+            ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging") if background else None
         )
 
     def stage(self, state_dict: dict) -> dict | Future:
@@ -82,27 +68,6 @@ class ReusableStager(AsyncStager):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._staged = self._signature = None
-
-
-def yield_to_training() -> None:
-    """Give the calling background thread (and the threads it starts) the lowest CPU priority
-    (Linux: a thread's nice value is its own). Never call it on the training thread: an
-    unprivileged process cannot raise a priority back."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-def background_writer(writer):
-    """`writer` (a DCP StorageWriter) whose file writes run at `yield_to_training`'s priority:
-    for `dcp.async_save`, which calls it on its own background thread only."""
-    write_data = writer.write_data
-
-    def write_data_yielding(plan, planner):
-        yield_to_training()
-        return write_data(plan, planner)
-
-    writer.write_data = write_data_yielding
-    return writer
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.export import model_tensors
 from raytrain_dt.checkpoint.memory_files import CopyReader, load_packed
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
-from raytrain_dt.checkpoint.staging import ReusableStager, background_writer
+from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.micro_loss import micro_step_loss
@@ -287,7 +287,7 @@ class FSDP2Engine:
         model_sd, optim_sd = self._state_dicts()
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=background_writer(storage_writer or dcp_writer(checkpoint_dir, digests)),
+            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
             process_group=process_group,
             async_stager=self._stager,
         )

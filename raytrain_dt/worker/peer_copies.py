@@ -25,7 +25,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.memory_files import CopyReader, save_to_memory
-from raytrain_dt.checkpoint.staging import ReusableStager, yield_to_training
+from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.engines.base import Engine
 from raytrain_dt.worker.checkpointing import restore_rng_bytes, rng_state_bytes
 from raytrain_dt.worker.reports import MemoryCopyReport, RankReport
@@ -90,9 +90,7 @@ class PeerCopier:
         self.store, self.peer, self.report = store, peer, report
         self.peer_timeout_s = peer_timeout_s
         self.stager = ReusableStager(background=True)  # not the durable save's buffers
-        self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="memory-copy", initializer=yield_to_training
-        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="memory-copy")
         self._in_flight: Future | None = None
         self._step_in_flight = -1
         self.skipped = 0  # boundaries whose copy was skipped: the previous one still in flight

@@ -14,7 +14,6 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import os
-import socket
 import traceback
 from dataclasses import dataclass, field
 
@@ -27,7 +26,9 @@ class Job:
     cfg: object  # TrainConfig
     layout: object  # Layout
     steps: int
-    port: int
+    # The pool's rendezvous store (`WorkerPool._store`), and this job's key prefix in it.
+    store_port: int
+    store_prefix: str
     # Load this DCP checkpoint before training, and train steps [start_step, start_step+steps).
     load_dir: str | None = None
     start_step: int = 0
@@ -71,12 +72,6 @@ class JobResult:
     router: list = field(default_factory=list)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _run_job(rank: int, job: Job) -> JobResult:
     import torch
     import torch.distributed as dist
@@ -95,12 +90,14 @@ def _run_job(rank: int, job: Job) -> JobResult:
     # One accelerator per rank, as on a GPU node (the emulated device has eight, all host RAM).
     device = select_device(job.precision, job.device, index=rank)
     device.activate()
+    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
+    store = dist.TCPStore("127.0.0.1", job.store_port, is_master=False, timeout=timeout)
     dist.init_process_group(
         device.backend,
-        init_method=f"tcp://127.0.0.1:{job.port}",
+        store=dist.PrefixStore(job.store_prefix, store),
         rank=rank,
         world_size=dims.world_size,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
+        timeout=timeout,
     )
     try:
         mesh = build_mesh(dims, device.device_type)
@@ -234,7 +231,15 @@ class WorkerPool:
     """`size` spawned processes; `run(cfg, layout, steps)` trains on the first world_size."""
 
     def __init__(self, size: int = 4):
+        import torch.distributed as dist
+
         ctx = mp.get_context("spawn")
+        # The jobs' rendezvous store, served from this process for the pool's life: the OS
+        # picks its port as it binds, so nothing can take the port between a choice and a bind
+        # (a port found free and bound later by rank 0 was, at times, taken meanwhile by the
+        # other xdist worker's Ray: EADDRINUSE). Each job rendezvouses under its own prefix.
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        self._jobs = 0
         self._conns = []
         self._procs = []
         for rank in range(size):
@@ -248,7 +253,8 @@ class WorkerPool:
         """Train `layout` for `steps` steps; options are Job's load/save fields."""
         if layout.dims.world_size > len(self._procs):
             raise ValueError(f"layout needs {layout.dims.world_size} ranks, pool has fewer")
-        job = Job(cfg, layout, steps, _free_port(), **options)
+        self._jobs += 1
+        job = Job(cfg, layout, steps, self._store.port, f"job{self._jobs}/", **options)
         for conn in self._conns:
             conn.send(job)
         replies = []

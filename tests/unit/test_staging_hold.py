@@ -56,34 +56,3 @@ def test_a_failed_copy_does_not_fail_the_step():
     engine._hold_optimizer_until(failed)
     _step(engine)
     assert torch.allclose(engine.param.detach(), torch.full((3,), 0.9))
-
-
-def test_background_checkpoint_threads_yield_the_cores_to_the_step(tmp_path):
-    """The staging copy and the async write run at the lowest CPU priority, on their own
-    threads; the thread that asked for them keeps its own."""
-    import os
-
-    from raytrain_dt.checkpoint.staging import ReusableStager, background_writer
-
-    def nice_of_this_thread() -> int:
-        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    ours = nice_of_this_thread()
-    stager = ReusableStager(background=True)
-    try:
-        staged = stager.stage({"w": torch.arange(4.0)}).result()
-        assert torch.equal(staged["w"], torch.arange(4.0))
-        assert stager._executor.submit(nice_of_this_thread).result() == 19
-    finally:
-        stager.close()
-
-    class Writer:
-        def write_data(self, plan, planner):
-            return nice_of_this_thread()
-
-    writer = background_writer(Writer())
-    seen: list[int] = []
-    thread = threading.Thread(target=lambda: seen.append(writer.write_data(None, None)))
-    thread.start()
-    thread.join()
-    assert seen == [19] and nice_of_this_thread() == ours
