@@ -164,7 +164,8 @@ class Recovery:
         """When one rank fails, its peers fail or die within moments (a lost node's ranks die
         together). Collect them before deciding, so the plan excludes every lost node: until
         no rank runs, or nothing changed for `quiet_s` (a peer stuck in a collective with the
-        dead rank never reports; teardown deals with it)."""
+        dead rank never reports; teardown deals with it). Where every node still has a rank
+        that answers, no node is going away: one unchanged poll settles it."""
         deadline = time.time() + wait_s
         seen, changed = {s.rank for s in broken}, time.time()
         while time.time() < deadline and time.time() - changed < quiet_s:
@@ -175,7 +176,9 @@ class Recovery:
                 break
             if {s.rank for s in broken} != seen:
                 seen, changed = {s.rank for s in broken}, time.time()
-            time.sleep(0.1)
+            elif every_node_answers(statuses):
+                break
+            time.sleep(POLL_INTERVAL_S)
         return broken_statuses(broken)
 
     def drain(self, state: Draining, saving: bool, stop_reason: str | None) -> State:
@@ -249,6 +252,14 @@ def lost_with_node(broken: list[RankStatus], node_of_rank: list[str]) -> set[str
         if said_node or len(dead) > 1:
             lost.add(node)
     return lost
+
+
+def every_node_answers(statuses: list[RankStatus]) -> bool:
+    """Each node holding a rank has one whose process answered the poll (a dead rank there
+    died alone: its node lives, so no node-mate is about to follow it)."""
+    nodes = {s.node_id for s in statuses}
+    answered = {s.node_id for s in statuses if s.state not in ("dead", "unresponsive")}
+    return nodes == answered
 
 
 def broken_statuses(statuses: list[RankStatus]) -> list[RankStatus]:

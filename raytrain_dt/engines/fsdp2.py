@@ -35,13 +35,13 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.export import model_tensors
 from raytrain_dt.checkpoint.memory_files import CopyReader, load_packed
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
 from raytrain_dt.engines.base import EngineBuild, StepResult
+from raytrain_dt.engines.grad_norm import clip_gradients
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.moe_step import aux_row_weights, check_moe_layout, reduce_router_stats
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
@@ -116,7 +116,7 @@ class FSDP2Engine:
             # One module under the full model's names for the optimizer and checkpoints.
             model = StageUnion(parts, self.spec.parts)
         self.model = model
-        self.optimizer = build_adamw(model, self.cfg.trainer)
+        self.optimizer = build_adamw(model, self.cfg.trainer, sharded=True)
         self._loss_group = mesh["dp_cp" if layout.dims.cp_enabled else "dp"].get_group()
         self._moe = spec.shape.is_moe
         # Router statistics sum over every rank holding distinct tokens of the batch.
@@ -340,6 +340,7 @@ class FSDP2Engine:
         )
 
     def _state_dicts(self) -> tuple[dict, dict]:
+        self.optimizer.init_state()  # not DCP's zero-gradient step on DTensors (engines/optim.py)
         return get_state_dict(self.model, self.optimizer, options=STATE_DICT_OPTIONS)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -362,34 +363,3 @@ class FSDP2Engine:
             self.model.parameters(), self.cfg.trainer.grad_clip, self.device, self._pp_group
         )
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=None) -> float:
-    """Total gradient norm over all shards and pipeline stages; clips in place if max_norm > 0.
-    The norm is fp32 on the compute device (it enters the pp all-reduce)."""
-    with_grads = [p for p in parameters if p.grad is not None]
-    # Norms are taken per mesh (DTensor ops cannot mix meshes; expert parallelism's experts
-    # have a mesh of their own) and combined as plain tensors; clipping scales per mesh too.
-    by_mesh: dict = {}
-    for p in with_grads:
-        by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-    partial_norms = []
-    for params in by_mesh.values():
-        grads = [p.grad for p in params]
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=True)
-        partial_norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = (
-        torch.linalg.vector_norm(torch.stack([n.float() for n in partial_norms]))
-        if partial_norms
-        else device.scalar()
-    )
-    if pp_group is not None:
-        # Stages hold disjoint parameters: squared norms add up across the pipeline.
-        total = total**2
-        dist.all_reduce(total, op=dist.ReduceOp.SUM, group=pp_group)
-        total = total.sqrt()
-    if max_norm > 0:
-        # Takes parameters (it scales p.grad), with the norm over every shard.
-        for params in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return float(total)
