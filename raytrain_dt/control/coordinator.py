@@ -276,6 +276,7 @@ class Coordinator:
             self.store,
             self.watch.handle_reports,
             self.copies,
+            lambda: self.watch.tracker.in_flight if self.watch.tracker else set(),
         )
         self.watch.recovery = self.recovery
         self.decider = Decider(self.policy, self.run_state, self.recorder, self._observe)

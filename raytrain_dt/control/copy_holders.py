@@ -150,6 +150,13 @@ class CopyHolders:
             return CheckpointRef(f"{MEMORY_SCHEME}g{generation}/step_{step}", step, True, record)
         return None
 
+    def supersede(self, live: dict[int, object], saves_in_flight: set[int]) -> bool:
+        """The live actors' copies hold a step at least as new as every durable save still in
+        flight: a failure need not wait for those saves, the resume does not need them."""
+        return bool(saves_in_flight) and (
+            self.resume_point(live, not_before=max(saves_in_flight)) is not None
+        )
+
 
 def is_memory_point(ref: CheckpointRef | None) -> bool:
     return ref is not None and ref.uri.startswith(MEMORY_SCHEME)

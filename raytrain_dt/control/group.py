@@ -96,7 +96,11 @@ class RankGroupLike(Protocol):
     ) -> list[int]: ...
 
     def teardown(
-        self, grace_s: float, timeout_s: float = 30.0, ranks: list[int] | None = None
+        self,
+        grace_s: float,
+        timeout_s: float = 30.0,
+        ranks: list[int] | None = None,
+        keep_save: bool = True,
     ) -> list[int]: ...
 
     def drop(self, ranks: list[int]) -> None: ...

@@ -308,11 +308,17 @@ class RankGroup:
         self._call_all("start")
 
     def teardown(
-        self, grace_s: float, timeout_s: float = 30.0, ranks: list[int] | None = None
+        self,
+        grace_s: float,
+        timeout_s: float = 30.0,
+        ranks: list[int] | None = None,
+        keep_save: bool = True,
     ) -> list[int]:
-        """Every rank (or these `ranks`) leaves its layout (`RankWorker.teardown`); the ranks
-        that cannot be reused (stuck, dead or silent)."""
-        return self._try_call_all("teardown", timeout_s, (grace_s,), ranks, CONTROL_GROUP)
+        """Every rank (or these `ranks`) leaves its layout (`RankWorker.teardown`; `keep_save`
+        False: a durable save in flight is abandoned); the ranks that cannot be reused (stuck,
+        dead or silent)."""
+        args = (grace_s, keep_save)
+        return self._try_call_all("teardown", timeout_s, args, ranks, CONTROL_GROUP)
 
     def request_checkpoint_and_stop(
         self, timeout_s: float = 30.0, memory_only: bool = False

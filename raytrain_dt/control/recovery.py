@@ -45,21 +45,26 @@ class Recovery:
     # Takes the reports in a poll's statuses (the coordinator's report intake).
     absorb: Callable[[list[RankStatus]], None]
     copies: CopyHolders | None = None  # the ranks' in-memory copies (memory_every_steps)
+    # The steps of the durable saves still in flight (the formed layout's checkpoint tracker).
+    saves_in_flight: Callable[[], set[int]] = set
 
-    def leave_layout(self, grace_s: float = 2.0, ended: list[int] | None = None) -> None:
+    def leave_layout(
+        self, grace_s: float = 2.0, ended: list[int] | None = None, keep_save: bool = True
+    ) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports
         of saves that finished meanwhile (they decide what is committed), and let go of the
         actors that cannot be reused (hung or dead). `grace_s`: how long a rank's loop may
         take to end (a healthy one: to its next step boundary). `ended`: ranks whose loop has
         ended (failed): they leave first, closing their connections, so that a survivor
         blocked in a collective waiting on one of them returns (gloo cannot be aborted; a
-        closed connection ends its wait at once) and is kept."""
+        closed connection ends its wait at once) and is kept. `keep_save` False: a durable
+        save in flight is abandoned, not waited for (`_drop_dead_then_leave`)."""
         broken = []
         if ended:
-            broken = self.group.teardown(grace_s, timeout_s=30, ranks=ended)
+            broken = self.group.teardown(grace_s, timeout_s=30, ranks=ended, keep_save=keep_save)
         rest = [r for r in range(self.group.world_size) if r not in (ended or [])]
         if rest:
-            broken += self.group.teardown(grace_s, timeout_s=30, ranks=rest)
+            broken += self.group.teardown(grace_s, timeout_s=30, ranks=rest, keep_save=keep_save)
         self.absorb(self.group.poll())
         self.group.drop(sorted(broken))
         self.run.group_left = True
@@ -156,7 +161,16 @@ class Recovery:
         self.group.drop(dead)
         # Ranks shift down past the dropped ones.
         ended = [s.rank - sum(d < s.rank for d in dead) for s in broken if s.state == "failed"]
-        self.leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S, ended=ended)
+        # A durable save still being written holds every survivor for up to its write time;
+        # where the surviving in-memory copies are as new, the resume will not need it.
+        live = live_actors([*self.group.slots, *self.group.idle])
+        superseded = self.copies is not None and self.copies.supersede(live, self.saves_in_flight())
+        if superseded:
+            log.info(
+                "saves in flight %s abandoned: newer in-memory copies survive",
+                sorted(self.saves_in_flight()),
+            )
+        self.leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S, ended=ended, keep_save=not superseded)
 
     def settle(
         self, broken: list[RankStatus], wait_s: float = 5.0, quiet_s: float = 0.3

@@ -161,6 +161,13 @@ class RankCheckpointer:
         log.error("checkpoint step %d failed on rank %d: %s", step, self.rank, message)
         self.report(SaveFailedReport(step, self.rank, error=message))
 
+    def abandon(self) -> None:
+        """Leave the layout without the save in flight: its outcome is never reported, so it
+        is never committed (its files stay, uncommitted, as a crashed save's). For a failure
+        whose resume comes from newer in-memory copies (`RankWorker.teardown`)."""
+        self.report = lambda _report: None
+        self._pending = None
+
     def wait(self, timeout_s: float | None = None) -> bool:
         """Block until the in-flight save (if any) is written or has failed, and its outcome
         is reported; False if it is still in flight after `timeout_s`."""

@@ -440,15 +440,20 @@ class RankWorker:
         if self._training is not None:
             wait([self._training], timeout=timeout_s)
 
-    def teardown(self, grace_s: float = 2.0, save_grace_s: float = 5.0) -> bool:
+    def teardown(
+        self, grace_s: float = 2.0, keep_save: bool = True, save_grace_s: float = 5.0
+    ) -> bool:
         """Leave the current layout: end the loop (or a set-up still joining its peers), let a
         save in flight finish (for at most `save_grace_s`: its outcome stays queued for the
-        coordinator's next poll, which decides whether that checkpoint commits), free model
+        coordinator's next poll, which decides whether that checkpoint commits; with
+        `keep_save` False it is abandoned at once: the resume needs it not), free model
         and data, destroy the process group. The actor (and its imported torch) stays for the
         next layout. Returns False when the torch thread is stuck (in a collective with a dead
         or hung peer): such an actor cannot be reused and the coordinator replaces it.
         Runs in the control concurrency group, beside a set-up that may be waiting."""
         self.stop(grace_s)  # `_stop` also ends a set-up's wait for its peers (`join_store`)
+        if self.checkpointer is not None and not keep_save:
+            self.checkpointer.abandon()
         # A save runs in threads of its own, so it finishes even when the loop is stuck.
         if self.checkpointer is not None and not self.checkpointer.wait(save_grace_s):
             log.warning(

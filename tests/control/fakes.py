@@ -145,7 +145,11 @@ class FakeRankGroup:
         pass
 
     def teardown(
-        self, grace_s: float, timeout_s: float = 30.0, ranks: list[int] | None = None
+        self,
+        grace_s: float,
+        timeout_s: float = 30.0,
+        ranks: list[int] | None = None,
+        keep_save: bool = True,
     ) -> list[int]:
         self.torn_down.append(ranks)
         return []

@@ -74,3 +74,14 @@ def test_a_drain_stays_in_memory_only_where_every_leaving_rank_has_a_staying_pee
     assert holders.complete(2, {10: "h", 11: "h"}) and holders.complete(1, {10: "h", 11: "h"})
     assert not holders.complete(3, {10: "h", 11: "h"}) and not holders.complete(2, {10: "h"})
     assert not CopyHolders().cover_leaving({"b"})  # no copy taken: drain to storage
+
+
+def test_a_failure_abandons_only_saves_the_surviving_copies_supersede():
+    """A durable save still in flight when ranks fail is not waited for only where the live
+    actors' copies hold a step at least as new (`Recovery._drop_dead_then_leave`)."""
+    holders = _copies(4, range(1, 6), [10, 11, 12, 13], [2, 3, 0, 1])
+    everyone = {a: "h" for a in (10, 11, 12, 13)}
+    assert holders.supersede(everyone, {5}) and holders.supersede({10: "h", 11: "h"}, {4, 5})
+    assert not holders.supersede(everyone, {6})  # the save is newer than every copy
+    assert not holders.supersede({11: "h", 13: "h"}, {5})  # rank 0's copy is lost
+    assert not holders.supersede(everyone, set())  # nothing in flight: nothing to abandon
