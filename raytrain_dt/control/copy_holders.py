@@ -150,6 +150,17 @@ class CopyHolders:
             return CheckpointRef(f"{MEMORY_SCHEME}g{generation}/step_{step}", step, True, record)
         return None
 
+    def layout_copied(self) -> bool:
+        """Some step of the current generation has every rank's copy reported: the layout has
+        trained, and its state is held (a node fault is then recoverable without storage)."""
+        world = self._world.get(self.generation, 0)
+        return any(
+            generation == self.generation
+            and copies.train_state is not None
+            and all(copies.holders.get(rank) for rank in range(world))
+            for (generation, _), copies in self._points.items()
+        )
+
     def supersede(self, live: dict[int, object], saves_in_flight: set[int]) -> bool:
         """The live actors' copies hold a step at least as new as every durable save still in
         flight: a failure need not wait for those saves, the resume does not need them."""

@@ -107,10 +107,16 @@ class GroupWatch:
         # Actors warming for a grow back hold the next fault however long they take to start
         # (on a busy host, longer than CHAOS_ARRIVAL_WAIT_S): the story's order is kept.
         warming = bool(self.group.starting or self.group.idle)
+        # The layout has trained once it has committed a checkpoint or every rank's in-memory
+        # copy of one step (without the latter, a run saving only at its end waited out the
+        # whole CHAOS_ARRIVAL_WAIT_S, and a fast one could finish before its fault fired).
+        held = self.tracker.last_committed is not None or (
+            self.copies is not None and self.copies.layout_copied()
+        )
         self.chaos.fire_node_actions(
             run.step,
             run.layout_nodes,
-            settled=not warming and not (young and self.tracker.last_committed is None),
+            settled=not warming and not (young and not held),
             node_of_rank=self.node_of_rank,
             notice=self.notice,
         )

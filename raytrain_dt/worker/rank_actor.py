@@ -373,8 +373,10 @@ class RankWorker:
             # A planned resize: the state stays in host memory, on this actor and its peer's.
             record = self._train_state(step, consumed) if spec.rank == 0 else None
             self._copier.copy_now(step, record)
+            # A periodic save, or the run's last step (the run may end at this very drain),
+            # is written to storage as well: the run never ends on copies alone.
             every = spec.cfg.checkpoint.every_steps
-            if not (every and step % every == 0):
+            if not (every and step % every == 0) and step < spec.cfg.trainer.steps:
                 return
         if spec.rank == 0:
             self._reports.put(TrainStateReport(step, self._train_state(step, consumed)))

@@ -85,3 +85,12 @@ def test_a_failure_abandons_only_saves_the_surviving_copies_supersede():
     assert not holders.supersede(everyone, {6})  # the save is newer than every copy
     assert not holders.supersede({11: "h", 13: "h"}, {5})  # rank 0's copy is lost
     assert not holders.supersede(everyone, set())  # nothing in flight: nothing to abandon
+
+
+def test_a_layout_counts_as_copied_once_every_rank_copied_one_step():
+    holders = _copies(2, range(1, 3), [10, 11], [1, 0])
+    assert holders.layout_copied()
+    holders.generation, holders._world[2] = 2, 2  # a new layout, nothing copied yet
+    assert not holders.layout_copied()
+    holders.absorb(MemoryCopyReport(2, 3, 0, (10, 11), {"f": 10}, {**STATE, "step": 3}))
+    assert not holders.layout_copied()  # rank 1's copy of step 3 has not come in
