@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 from torch.distributed.checkpoint.planner import LoadItemType
-from torch.distributed.tensor import DTensor
+
+from raytrain_dt.checkpoint.staging import local_shard
 
 # The item holding one owner's non-tensor leaves: `__objects__.<owner rank>`.
 OBJECTS_PREFIX = "__objects__."
@@ -76,10 +77,6 @@ def _is_item(value) -> bool:
     return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
-
-
 def _split(state_dict: dict) -> tuple[dict, dict]:
     """The flat state dict's tensor items and its other leaves."""
     flat, _ = flatten_state_dict(state_dict)
@@ -109,7 +106,7 @@ def capture_copy(state_dict: dict, owner: int, rng: bytes, metadata: Metadata) -
     """Rank `owner`'s copy of a staged `state_dict`: its host tensors held as they are (the
     caller never writes those buffers again while the copy is held)."""
     items, objects = _split(state_dict)
-    return HeldCopy(metadata, {k: _local(v) for k, v in items.items()}, objects, rng)
+    return HeldCopy(metadata, {k: local_shard(v) for k, v in items.items()}, objects, rng)
 
 
 # --- between processes ------------------------------------------------------------------------

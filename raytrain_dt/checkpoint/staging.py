@@ -77,7 +77,8 @@ class ReusableStager(AsyncStager):
         self._staged = self._signature = None
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard; any other tensor itself)."""
     # The local shard itself, not `to_local()`: that runs an autograd function per tensor, a
     # third of the training thread's time in staging a copy (nothing here is differentiated).
     return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
@@ -90,7 +91,7 @@ def _signature(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return (type(obj), tuple(_signature(v) for v in obj))
     if isinstance(obj, torch.Tensor):
-        local = _local(obj)
+        local = local_shard(obj)
         placement = (obj._spec.placements, obj.shape) if isinstance(obj, DTensor) else None
         return (local.shape, local.dtype, local.device.type, placement)
     return type(obj)
@@ -132,7 +133,7 @@ def _local_tensors(obj: Any):
         for value in obj:
             yield from _local_tensors(value)
     elif isinstance(obj, torch.Tensor):
-        yield _local(obj)
+        yield local_shard(obj)
 
 
 def _allocate(obj: Any, new_buffer) -> Any:
@@ -142,7 +143,7 @@ def _allocate(obj: Any, new_buffer) -> Any:
         return type(obj)(_allocate(v, new_buffer) for v in obj)
     if not isinstance(obj, torch.Tensor):
         return obj
-    buffer = new_buffer(_local(obj))
+    buffer = new_buffer(local_shard(obj))
     if not isinstance(obj, DTensor):
         return buffer
     # The source's spec (mesh, placements, global shape) around the host buffer, as DCP's own
@@ -160,6 +161,6 @@ def _refresh(source: Any, staged: Any, copies: list) -> Any:
     if isinstance(source, (list, tuple)):
         return type(source)(_refresh(v, target, copies) for v, target in zip(source, staged))
     if isinstance(source, torch.Tensor):
-        copies.append((_local(staged), _local(source).detach()))
+        copies.append((local_shard(staged), local_shard(source).detach()))
         return staged
     return source
