@@ -1,121 +1,182 @@
-"""DCP checkpoints held in host memory: a writer whose files are bytes in a dict, and a reader
-that sees several ranks' separately written copies as one checkpoint.
+"""In-memory copies of a rank's shards held as tensors, and a DCP reader that sees several
+ranks' copies as one checkpoint.
 
-An in-memory copy is taken by each rank alone (`dcp.save(..., no_dist=True)`): no collective,
-so a rank can copy, skip or fail a copy without its peers waiting on it, and a copy never
-shares a process group with training or with the durable save. Each copy is a complete DCP
-checkpoint of that rank's shards (its own `.metadata` names only its chunks, with their global
-offsets). `CopyReader` merges the owners' metadata into one (chunks of replicated tensors
-once, every file path prefixed with its owner), so DCP's load planner reshards the union onto
-any new layout exactly as it reshards a durable checkpoint. The bytes come from `fetch(owner,
-name)`: the caller decides where each owner's files are (this process, or a peer holding them).
+A copy is taken by each rank alone (no collective), so a rank can copy, skip or fail a copy
+without its peers waiting on it, and a copy never shares a process group with training or
+with the durable save. Nothing is serialised: a `HeldCopy` is the staged host buffers
+themselves (`checkpoint/staging.py`: the copier rotates buffer sets so a held copy is never
+overwritten), DCP metadata naming each local shard as a chunk with its global offsets, and the
+non-tensor leaves (the optimizer's hyperparameters and 0-dim step counts) as a dict. The
+metadata comes from DCP's own save planner run on this rank's state, exactly as a save would
+write it, once per buffer layout (`copy_metadata`): every copy of that layout reuses it.
 
-A copy is written packed: its tensors as DCP items under the same keys a durable checkpoint
-uses, and every other leaf (the optimizer's hyperparameters, which a flattened optimizer state
-dict repeats for every parameter: 11 of them for AdamW, and its 0-dim step counts) as one item
-per owner. DCP serialises
-each item on its own with `torch.save`; unpacked, a copy of the tiny preset was 585 items of
-which 429 were those hyperparameters, and the copy cost more than the step it hid behind.
-`load_packed` reads it back into a state dict of the usual shape.
+`CopyReader` merges the owners' metadata into one (chunks of replicated tensors once), so
+DCP's load planner reshards the union onto any new layout exactly as it reshards a durable
+checkpoint, and serves each read straight from the held tensors (narrowed to the chunk's
+requested slice). The copies come from `fetch(owner)`: the caller decides where each owner's
+copy is (this process, or a peer holding it).
+
+Between processes a copy travels as `to_wire`'s form: each tensor as a flat byte array
+(numpy: Ray moves it out of band, copied without the GIL), and `from_wire` rebuilds it, in
+memory the receiver owns when it holds the copy for a peer (a Ray object dies with the process
+that put it; the peer's copy must outlive the sender, which is its point).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import io
-import pickle
-import posixpath
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict, unflatten_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
+from torch.distributed.checkpoint.planner import LoadItemType
 
-METADATA = ".metadata"
+from raytrain_dt.checkpoint.staging import local_shard
+
 # The item holding one owner's non-tensor leaves: `__objects__.<owner rank>`.
 OBJECTS_PREFIX = "__objects__."
 
-Fetch = Callable[[int, str], bytes]  # (owner rank, file name) -> the file's bytes
+
+@dataclasses.dataclass
+class HeldCopy:
+    """One rank's copy of one step. `metadata.storage_data` maps each of its DCP items to the
+    key of the tensor (in `tensors`) or of the objects' dict that holds it."""
+
+    metadata: Metadata
+    tensors: dict[str, torch.Tensor]  # state dict key -> this rank's local shard, in host memory
+    objects: dict  # state dict key -> non-tensor leaf (0-dim tensors included)
+    rng: bytes  # the owner's generators (`worker/checkpointing.rng_state_bytes`)
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes held, by part (what a `MemoryCopyReport` names)."""
+        tensors = sum(t.numel() * t.element_size() for t in self.tensors.values())
+        return {"tensors": tensors, "rng": len(self.rng)}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.sizes().values())
 
 
-class _DictFiles(FileSystemBase):
-    """DCP's filesystem interface over a dict of name -> bytes (writes land on close)."""
-
-    def __init__(self, files: dict[str, bytes]):
-        self.files = files
-
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.BytesIO]:
-        if "w" in mode:
-            buffer = _KeptOnClose(self.files, str(path))
-            yield buffer
-            buffer.close()  # DCP's writer may have closed it already
-        else:
-            yield io.BytesIO(self.files[str(path)])
-
-    def concat_path(self, path, suffix: str) -> str:
-        return posixpath.join(str(path), suffix) if str(path) else suffix
-
-    def init_path(self, path) -> str:
-        return str(path)
-
-    def rename(self, path, new_path) -> None:
-        self.files[str(new_path)] = self.files.pop(str(path))
-
-    def mkdir(self, path) -> None:
-        pass
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
-        return False
-
-    def exists(self, path) -> bool:
-        return str(path) in self.files
-
-    def rm_file(self, path) -> None:
-        self.files.pop(str(path), None)
+Fetch = Callable[[int], HeldCopy]  # owner rank -> its copy
 
 
-class _KeptOnClose(io.BytesIO):
-    """A write buffer whose bytes land in `files[name]` when it is closed."""
-
-    def __init__(self, files: dict[str, bytes], name: str):
-        super().__init__()
-        self._files, self._name = files, name
-
-    def close(self) -> None:
-        if not self.closed:
-            self._files[self._name] = self.getvalue()
-        super().close()
+def _is_item(value) -> bool:
+    """A leaf held as a DCP tensor item of its own (resharded on load): a tensor with
+    dimensions."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0
 
 
-def save_to_memory(state_dict: dict, owner: int) -> dict[str, bytes]:
-    """Rank `owner`'s shards of `state_dict` as a packed DCP checkpoint in memory (no
-    collective)."""
+def _split(state_dict: dict) -> tuple[dict, dict]:
+    """The flat state dict's tensor items and its other leaves."""
     flat, _ = flatten_state_dict(state_dict)
-    packed = {k: v for k, v in flat.items() if _is_item(v)}
-    packed[f"{OBJECTS_PREFIX}{owner}"] = {k: v for k, v in flat.items() if not _is_item(v)}
-    files: dict[str, bytes] = {}
-    writer = FileSystemWriter("", sync_files=False)
-    writer.fs, writer.path = _DictFiles(files), ""
-    planner = DefaultSavePlanner(flatten_state_dict=False)  # the objects' dict stays one item
-    dcp.save(packed, storage_writer=writer, planner=planner, no_dist=True)
-    return files
+    items = {k: v for k, v in flat.items() if _is_item(v)}
+    return items, {k: v for k, v in flat.items() if not _is_item(v)}
 
 
+def copy_metadata(state_dict: dict, owner: int) -> Metadata:
+    """This rank's DCP metadata for a copy of `state_dict` (DTensors: chunks at their global
+    offsets), as its own no-collective save would write it; `storage_data` names where each
+    item is held. Depends only on the state's structure and layout, so it is reused."""
+    items, objects = _split(state_dict)
+    objects_key = f"{OBJECTS_PREFIX}{owner}"
+    planned = {**items, objects_key: objects}  # the objects' dict stays one bytes item
+    planner = DefaultSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(planned, is_coordinator=True)
+    _, metadata = planner.create_global_plan([planner.create_local_plan()])
+    storage = {MetadataIndex(objects_key): objects_key}
+    for fqn, entry in metadata.state_dict_metadata.items():
+        if isinstance(entry, TensorStorageMetadata):
+            for chunk in entry.chunks:
+                storage[MetadataIndex(fqn, chunk.offsets)] = fqn
+    return dataclasses.replace(metadata, storage_data=storage)
+
+
+def capture_copy(state_dict: dict, owner: int, rng: bytes, metadata: Metadata) -> HeldCopy:
+    """Rank `owner`'s copy of a staged `state_dict`: its host tensors held as they are (the
+    caller never writes those buffers again while the copy is held)."""
+    items, objects = _split(state_dict)
+    return HeldCopy(metadata, {k: local_shard(v) for k, v in items.items()}, objects, rng)
+
+
+# --- between processes ------------------------------------------------------------------------
+def to_wire(copy: HeldCopy) -> dict:
+    """`copy` for Ray: the memory its tensors live in as byte arrays (pickle-5 buffers, moved
+    out of band; one array when the copy was staged into one allocation), each tensor as
+    where it lies in them, 0-dim tensors as Python scalars. Views of the held memory."""
+    storages: dict[int, int] = {}  # storage address -> its array's index
+    arrays, tensors = [], {}
+    for key, tensor in copy.tensors.items():
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in storages:
+            storages[storage.data_ptr()] = len(arrays)
+            arrays.append(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())
+        if not tensor.is_contiguous():
+            raise ValueError(f"in-memory copy: {key} is not contiguous")
+        tensors[key] = (
+            str(tensor.dtype).removeprefix("torch."),
+            tuple(tensor.shape),
+            storages[storage.data_ptr()],
+            tensor.storage_offset() * tensor.element_size(),
+        )
+    objects = {
+        key: _Scalar(v.item(), str(v.dtype).removeprefix("torch."))
+        if isinstance(v, torch.Tensor)
+        else v
+        for key, v in copy.objects.items()
+    }
+    return {
+        "metadata": copy.metadata,
+        "arrays": arrays,
+        "tensors": tensors,
+        "objects": objects,
+        "rng": copy.rng,
+    }
+
+
+def from_wire(wire: dict, own: bool = True) -> HeldCopy:
+    """The copy `to_wire` sent. `own`: its memory copied into memory this process owns (a
+    held copy); otherwise views of the received arrays (a copy read once, for a load)."""
+    flats = []
+    for data in wire["arrays"]:
+        with warnings.catch_warnings():  # Ray's arrays are read-only; nothing writes them here
+            warnings.simplefilter("ignore", UserWarning)
+            flat = torch.from_numpy(data)
+        flats.append(torch.empty_like(flat).copy_(flat) if own else flat)  # copy_: no GIL
+    tensors = {}
+    for key, (dtype, shape, array, offset) in wire["tensors"].items():
+        dtype = getattr(torch, dtype)
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
+        tensors[key] = flats[array][offset : offset + nbytes].view(dtype).view(shape)
+    objects = {
+        key: torch.tensor(v.value, dtype=getattr(torch, v.dtype)) if isinstance(v, _Scalar) else v
+        for key, v in wire["objects"].items()
+    }
+    return HeldCopy(wire["metadata"], tensors, objects, wire["rng"])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Scalar:
+    """A 0-dim tensor on the wire (pickling a tensor runs `torch.save` for its storage)."""
+
+    value: float | int | bool
+    dtype: str
+
+
+# --- loading ----------------------------------------------------------------------------------
 def load_packed(state_dict: dict, reader: CopyReader) -> dict:
-    """Load copies written by `save_to_memory` into `state_dict` (resharded, as `dcp.load`):
-    tensors in place; returns the state dict with the saved non-tensor leaves put back."""
+    """Load copies into `state_dict` (resharded, as `dcp.load`): tensors in place; returns the
+    state dict with the saved non-tensor leaves put back."""
     flat, mapping = flatten_state_dict(state_dict)
     packed: dict = {k: v for k, v in flat.items() if _is_item(v)}
     object_keys = [
@@ -133,8 +194,8 @@ def load_packed(state_dict: dict, reader: CopyReader) -> dict:
 
 
 class _PackedLoadPlanner(DefaultLoadPlanner):
-    """Collects the owners' packed non-tensor leaves (`dcp.load` hands a plain value back
-    only into a dict of its own, not the caller's)."""
+    """Collects the owners' non-tensor leaves (`dcp.load` hands a plain value back only into a
+    dict of its own, not the caller's)."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
@@ -144,92 +205,92 @@ class _PackedLoadPlanner(DefaultLoadPlanner):
         self.objects.update(torch.load(value, weights_only=False))
 
 
-def _is_item(value) -> bool:
-    """A leaf written as a DCP item of its own (resharded on load): a tensor with dimensions."""
-    return isinstance(value, torch.Tensor) and value.dim() > 0
+class CopyReader(StorageReader):
+    """One DCP checkpoint read from the in-memory copies of `owners` (the ranks that took
+    them). Each owner's copy is fetched once, when the metadata is first read."""
 
+    def __init__(self, owners: list[int], fetch: Fetch):
+        self.owners, self.fetch = owners, fetch
+        self.copies: dict[int, HeldCopy] = {}
+        self._metadata: Metadata | None = None
 
-class _OwnersFiles(FileSystemBase):
-    """Read-only files named `<owner>/<name>`, fetched once each and kept for the load."""
+    def copy_of(self, owner: int) -> HeldCopy:
+        if owner not in self.copies:
+            self.copies[owner] = self.fetch(owner)
+        return self.copies[owner]
 
-    def __init__(self, fetch: Fetch):
-        self.fetch = fetch
-        self.cache: dict[str, bytes] = {}
+    def rng_of(self, owner: int) -> bytes:
+        return self.copy_of(owner).rng
 
-    @contextlib.contextmanager
-    def create_stream(self, path, mode: str) -> Iterator[io.BytesIO]:
-        path = str(path)
-        if path not in self.cache:
-            owner, name = path.split("/", 1)
-            self.cache[path] = self.fetch(int(owner), name)
-        yield io.BytesIO(self.cache[path])
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        if self._metadata is None:
+            self._metadata = merge_metadata(
+                {owner: self.copy_of(owner).metadata for owner in self.owners}
+            )
+        return self._metadata
 
-    def concat_path(self, path, suffix: str) -> str:
-        return posixpath.join(str(path), suffix) if str(path) else suffix
+    def read_data(self, plan, planner) -> torch.futures.Future:
+        storage = self.read_metadata().storage_data
+        for item in plan.items:
+            owner, key = storage[item.storage_index]
+            held = self.copy_of(owner)
+            if item.type == LoadItemType.BYTE_IO:
+                stream = io.BytesIO()  # a few scalars: the planner's bytes interface
+                torch.save(held.objects, stream)
+                stream.seek(0)
+                planner.load_bytes(item, stream)
+                continue
+            source = _narrowed(held.tensors[key], item.storage_offsets, item.lengths)
+            target = planner.resolve_tensor(item).detach()
+            if target.size() != source.size():
+                raise ValueError(
+                    f"in-memory copy {item.storage_index}: {source.size()} is not "
+                    f"the requested {target.size()}"
+                )
+            target.copy_(source)
+            planner.commit_tensor(item, target)
+        done: torch.futures.Future = torch.futures.Future()
+        done.set_result(None)
+        return done
 
-    def init_path(self, path) -> str:
-        return str(path)
+    def reset(self, checkpoint_id=None) -> None:
+        pass
 
-    def rename(self, path, new_path) -> None:
-        raise NotImplementedError("in-memory copies are read-only here")
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args) -> None:
+        pass
 
-    def mkdir(self, path) -> None:
-        raise NotImplementedError("in-memory copies are read-only here")
+    def prepare_local_plan(self, plan):
+        return plan
+
+    def prepare_global_plan(self, plans):
+        return plans
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
         return False
 
-    def exists(self, path) -> bool:
-        return True
 
-    def rm_file(self, path) -> None:
-        raise NotImplementedError("in-memory copies are read-only here")
-
-
-class CopyReader(FileSystemReader):
-    """One DCP checkpoint read from the in-memory copies of `owners` (the ranks that wrote
-    it). Each owner's `.metadata` is fetched once; a data file only when a read needs it."""
-
-    def __init__(self, owners: list[int], fetch: Fetch):
-        super().__init__("")
-        self.fs, self.path = _OwnersFiles(fetch), ""
-        self.owners = owners
-        self._metadata: Metadata | None = None
-
-    def read_metadata(self, *args, **kwargs) -> Metadata:
-        if self._metadata is None:
-            per_owner = {}
-            for owner in self.owners:
-                with self.fs.create_stream(f"{owner}/{METADATA}", "rb") as stream:
-                    per_owner[owner] = pickle.load(stream)
-            self._metadata = merge_metadata(per_owner)
-        return self._metadata
-
-    def bytes_of(self, owner: int, name: str) -> bytes:
-        """A file of the copy other than DCP's (the owner's RNG state)."""
-        with self.fs.create_stream(f"{owner}/{name}", "rb") as stream:
-            return stream.getvalue()
+def _narrowed(tensor: torch.Tensor, offsets, lengths) -> torch.Tensor:
+    """The slice of a held chunk that a read asks for (offsets within the chunk)."""
+    for dim, (offset, length) in enumerate(zip(offsets, lengths, strict=True)):
+        if length != tensor.size(dim):
+            tensor = tensor.narrow(dim, offset, length)
+    return tensor
 
 
 def merge_metadata(per_owner: dict[int, Metadata]) -> Metadata:
     """One checkpoint's metadata from several ranks' own: every distinct chunk once (a
-    replicated tensor's copies are one chunk), its storage path prefixed with its owner."""
+    replicated tensor's copies are one chunk), its storage naming (owner, held key)."""
     tensors: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
-    storage: dict[MetadataIndex, object] = {}
+    storage: dict[MetadataIndex, tuple[int, str]] = {}
     planner_data: dict = {}
     for owner, metadata in sorted(per_owner.items()):
         planner_data.update(metadata.planner_data or {})
-
-        def relocated(index: MetadataIndex, owner: int = owner, metadata: Metadata = metadata):
-            info = metadata.storage_data[index]
-            return dataclasses.replace(info, relative_path=f"{owner}/{info.relative_path}")
-
         for fqn, entry in metadata.state_dict_metadata.items():
             if isinstance(entry, BytesStorageMetadata):
                 if fqn not in tensors:
                     tensors[fqn] = entry
-                    storage[MetadataIndex(fqn)] = relocated(MetadataIndex(fqn))
+                    storage[MetadataIndex(fqn)] = (owner, metadata.storage_data[MetadataIndex(fqn)])
                 continue
             merged = tensors.setdefault(
                 fqn, TensorStorageMetadata(entry.properties, entry.size, [])
@@ -242,5 +303,5 @@ def merge_metadata(per_owner: dict[int, Metadata]) -> Metadata:
                     continue  # an empty shard of an uneven layout holds nothing to read
                 index = MetadataIndex(fqn, chunk.offsets, len(merged.chunks))
                 merged.chunks.append(chunk)
-                storage[index] = relocated(MetadataIndex(fqn, chunk.offsets))
+                storage[index] = (owner, metadata.storage_data[MetadataIndex(fqn, chunk.offsets)])
     return Metadata(state_dict_metadata=tensors, planner_data=planner_data, storage_data=storage)

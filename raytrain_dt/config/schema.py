@@ -241,7 +241,8 @@ class CheckpointConfig:
     # (FSDP2; DeepSpeed resumes from durable checkpoints). 0 disables the copies. null (the
     # default): 1 where the ranks have GPUs (a device-to-host copy beside the step, the rest on
     # the host's own cores), 0 on CPU ranks, where a copy competes with the step for the same
-    # cores (bench/bench_overhead.py: 2.1x the step time) (`memory_copy_interval`).
+    # cores (each copy costs a rank of bench/bench_overhead.py about 18 ms of CPU, 14% of its
+    # step's) (`memory_copy_interval`).
     memory_every_steps: int | None = None
     # GB/s one rank is assumed to write (and read) its share of a checkpoint at, until a commit
     # has measured it: what save, drain and load deadlines are sized with. Conservative.

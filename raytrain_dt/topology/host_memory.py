@@ -8,9 +8,9 @@ one prices what it holds beside it, in host memory, where nothing else checks it
   master partition, Adam moments and fp32 gradient partition;
 - the staging buffers of async checkpointing (`checkpoint/staging.py`): one host copy of the
   rank's shard of model and optimizer states, pinned on accelerators, kept for the run;
-- the in-memory copies (`checkpoint.memory_every_steps`, `worker/peer_copies.py`): a staging
-  buffer of its own, and its own copy and a peer's, each for the newest two steps
-  (`MEMORY_COPY_SHARDS` shards in all);
+- the in-memory copies (`checkpoint.memory_every_steps`, `worker/peer_copies.py`): its own
+  copies are its staging buffers, three sets (the newest two steps held, one being staged),
+  and it holds a peer's copies of the newest two steps (`MEMORY_COPY_SHARDS` shards in all);
 - the accelerator's own memory where the device is host RAM (cpu, emulated);
 - the process itself: torch, Ray's worker, the data iterator (`RANK_PROCESS_HOST_BYTES`).
 
@@ -45,8 +45,9 @@ RANK_PROCESS_HOST_BYTES = IDLE_RANK_RSS_BYTES + CUDA_HOST_OVERHEAD_BYTES
 # The engines that save asynchronously through the staging buffers (those with `save_async`:
 # FSDP2; DeepSpeed saves synchronously from its own buffers).
 ASYNC_SAVE_ENGINES = ("fsdp2",)
-# In-memory copies, in shards of the rank's state: a staging buffer, plus its own copy and the
-# copy it holds for its peer, of the newest two steps (`CopyStore.keep`).
+# In-memory copies, in shards of the rank's state: the copier's buffer sets, which are its own
+# copies of the newest two steps (`CopyStore.keep`) plus the one being staged, and the copies
+# of its peer's newest two steps that it holds.
 MEMORY_COPY_SHARDS = 1 + 2 * 2
 
 

@@ -2,16 +2,19 @@
 
 Every `checkpoint.memory_every_steps` steps, after the optimizer step, the rank copies its
 shards into host buffers (the engine's `stage_copy`: a copy on a staging thread that the next
-optimizer step waits for, as for an async save) and takes its RNG state. A background thread
-then serialises the copy as a DCP checkpoint in memory (`checkpoint/memory_files.py`, no
-collective), keeps it in this actor's `CopyStore`, sends it to its peer's actor (on another
-node where there is one) and reports a `MemoryCopyReport`: which actors hold which files. The
-driver never sees a byte. A copy still in flight at the next boundary makes that step's copy
-skipped on every rank (they agree in the step's existing all-reduce, `RankCheckpointer.
-agree_requested`), so every copied step has a complete set, and the step does not wait.
+optimizer step waits for, as for an async save) and takes its RNG state. Those buffers are the
+copy (`checkpoint/memory_files.py`: nothing is serialised, no collective): the copier rotates
+`CopyStore.keep + 1` buffer sets, so the copies held (the newest `keep` steps) are never
+written while a new one is staged. A background thread then keeps it in this actor's
+`CopyStore`, sends it to its peer's actor (on another node where there is one) as byte arrays
+that Ray moves out of band, which the peer copies into memory of its own, and reports a
+`MemoryCopyReport`: which actors hold it. The driver never sees a byte. A copy still in flight
+at the next boundary makes that step's copy skipped on every rank (they agree in the step's
+existing all-reduce, `RankCheckpointer.agree_requested`), so every copied step has a complete
+set, and the step does not wait.
 
-A rank that resumes from copies reads each old rank's files from its own store, or from the
-actors that hold them (`read_copy` in the actor's copy concurrency group, so a holder busy in
+A rank that resumes from copies reads each old rank's copy from its own store, or from the
+actors that hold it (`read_copy` in the actor's copy concurrency group, so a holder busy in
 its own set-up still answers), and DCP reshards them onto the new layout.
 """
 
@@ -24,7 +27,14 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from raytrain_dt.accel.device import DeviceSpec
-from raytrain_dt.checkpoint.memory_files import CopyReader, save_to_memory
+from raytrain_dt.checkpoint.memory_files import (
+    CopyReader,
+    HeldCopy,
+    capture_copy,
+    copy_metadata,
+    from_wire,
+    to_wire,
+)
 from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.engines.base import Engine
 from raytrain_dt.worker.checkpointing import restore_rng_bytes, rng_state_bytes
@@ -37,7 +47,6 @@ log = logging.getLogger(__name__)
 # threads of their own, beside a set-up or a train loop.
 COPY_GROUP = "memory_copies"
 COPY_GROUP_THREADS = 2
-RNG_FILE = "rng.pt"
 # (generation, step, owner rank): one rank's copy of one step.
 CopyKey = tuple[int, int, int]
 
@@ -49,25 +58,28 @@ class CopyStore:
 
     def __init__(self, keep: int = 2):
         self.keep = keep
-        self._copies: dict[CopyKey, dict[str, bytes]] = {}
+        self._copies: dict[CopyKey, HeldCopy] = {}
         self._lock = threading.Lock()
 
-    def put(self, key: CopyKey, files: dict[str, bytes]) -> None:
+    def put(self, key: CopyKey, copy: HeldCopy) -> None:
         with self._lock:
-            self._copies[key] = files
+            self._copies[key] = copy
             points = sorted({(g, s) for g, s, _ in self._copies})
             for old in points[: -self.keep]:
                 for stale in [k for k in self._copies if k[:2] == old]:
                     del self._copies[stale]
 
-    def get(self, key: CopyKey, name: str) -> bytes | None:
+    def get(self, key: CopyKey) -> HeldCopy | None:
         with self._lock:
-            files = self._copies.get(tuple(key))
-            return None if files is None else files.get(name)
+            return self._copies.get(tuple(key))
+
+    def holds(self, key: CopyKey | None) -> bool:
+        with self._lock:
+            return key is not None and tuple(key) in self._copies
 
     def nbytes(self) -> int:
         with self._lock:
-            return sum(len(b) for files in self._copies.values() for b in files.values())
+            return sum(copy.nbytes for copy in self._copies.values())
 
 
 class PeerCopier:
@@ -89,7 +101,12 @@ class PeerCopier:
         self.generation, self.actor_index = generation, actor_index
         self.store, self.peer, self.report = store, peer, report
         self.peer_timeout_s = peer_timeout_s
-        self.stager = ReusableStager(background=True)  # not the durable save's buffers
+        # The copies' own buffer sets (not the durable save's): the held copies and one more.
+        self.stagers = [
+            ReusableStager(background=True, one_allocation=True) for _ in range(store.keep + 1)
+        ]
+        self._staged_as: list[CopyKey | None] = [None] * len(self.stagers)
+        self._metadata: list[tuple[int, object]] = [(0, None)] * len(self.stagers)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="memory-copy")
         self._in_flight: Future | None = None
         self._step_in_flight = -1
@@ -104,12 +121,20 @@ class PeerCopier:
         """At the step boundary after `step` (training thread): stage and hand off."""
         self.wait()  # the ranks agreed that every copy is done; a moment's wait at most
         started = time.perf_counter()
-        staged = self.engine.stage_copy(self.stager)
+        buffers = self._free_buffers()
+        self._staged_as[buffers] = (self.generation, step, self.rank)
+        staged = self.engine.stage_copy(self.stagers[buffers])
         rng = rng_state_bytes(self.device)  # the generators as the next step will find them
         self._step_in_flight = step
         self._in_flight = self._executor.submit(
-            self._finish, step, staged, rng, train_state, started
+            self._finish, step, buffers, staged, rng, train_state, started
         )
+
+    def _free_buffers(self) -> int:
+        """A buffer set no held copy is: the store holds copies of at most `keep` steps, and
+        no copy is in flight here, so one of the `keep + 1` sets is free."""
+        free = [i for i, key in enumerate(self._staged_as) if not self.store.holds(key)]
+        return free[0]
 
     def copy_now(self, step: int, train_state: dict | None) -> None:
         """A copy of `step`, held and reported before this returns (a drain's last state)."""
@@ -119,15 +144,21 @@ class PeerCopier:
         self.wait()
 
     def _finish(
-        self, step: int, staged: Future, rng: bytes, train_state: dict | None, started: float
+        self,
+        step: int,
+        buffers: int,
+        staged: Future,
+        rng: bytes,
+        train_state: dict | None,
+        started: float,
     ) -> None:
         try:
-            files = save_to_memory(staged.result(), self.rank)
-            files[RNG_FILE] = rng
+            state = staged.result()
+            copy = capture_copy(state, self.rank, rng, self._layout_metadata(buffers, state))
             key = (self.generation, step, self.rank)
-            self.store.put(key, files)
+            self.store.put(key, copy)
             holders = [self.actor_index]
-            if self.peer is not None and self._send(key, files):
+            if self.peer is not None and self._send(key, copy):
                 holders.append(self.peer.actor_index)
             log.debug("rank %d: copy of step %d held by actors %s", self.rank, step, holders)
             self.report(
@@ -136,7 +167,7 @@ class PeerCopier:
                     step,
                     self.rank,
                     tuple(holders),
-                    {name: len(data) for name, data in files.items()},
+                    copy.sizes(),
                     train_state,
                     time.perf_counter() - started,
                     self.skipped,
@@ -145,12 +176,19 @@ class PeerCopier:
         except Exception:  # a failed copy costs this step's copy, never the run
             log.exception("rank %d: in-memory copy of step %d failed", self.rank, step)
 
-    def _send(self, key: CopyKey, files: dict[str, bytes]) -> bool:
+    def _layout_metadata(self, buffers: int, state: dict):
+        """The copy's DCP metadata, planned once per buffer set's layout."""
+        allocations = self.stagers[buffers].allocations
+        if self._metadata[buffers][0] != allocations:
+            self._metadata[buffers] = (allocations, copy_metadata(state, self.rank))
+        return self._metadata[buffers][1]
+
+    def _send(self, key: CopyKey, copy: HeldCopy) -> bool:
         import ray
 
         try:
             hold = self.peer.handle.hold_copy.options(concurrency_group=COPY_GROUP)
-            ray.get(hold.remote(key, files), timeout=self.peer_timeout_s)
+            ray.get(hold.remote(key, to_wire(copy)), timeout=self.peer_timeout_s)
             return True
         except Exception as exc:  # the peer died or is slow: the own copy still counts
             log.warning("rank %d: peer copy of step %d failed: %s", self.rank, key[1], exc)
@@ -185,26 +223,26 @@ def load_from_copies(
     restore this rank's RNG from the old rank of the same number; bytes read per source."""
     fetched = {"local_bytes": 0.0, "peer_bytes": 0.0}
 
-    def fetch(owner: int, name: str) -> bytes:
+    def fetch(owner: int) -> HeldCopy:
         key = (source.generation, source.step, owner)
-        data = store.get(key, name)
-        if data is not None:
-            fetched["local_bytes"] += len(data)
-            return data
-        data = _read_from_holders(key, name, source.holders.get(owner, []), actor_index)
-        fetched["peer_bytes"] += len(data)
-        return data
+        copy = store.get(key)
+        if copy is not None:
+            fetched["local_bytes"] += copy.nbytes
+            return copy
+        copy = _read_from_holders(key, source.holders.get(owner, []), actor_index)
+        fetched["peer_bytes"] += copy.nbytes
+        return copy
 
     reader = CopyReader(list(range(source.owners)), fetch)
     engine.load(uri, storage_reader=reader)
     if rank < source.owners:  # as from a checkpoint: rank r takes old rank r's generators
-        restore_rng_bytes(reader.bytes_of(rank, RNG_FILE), device)
+        restore_rng_bytes(reader.rng_of(rank), device)
     return fetched
 
 
 def _read_from_holders(
-    key: CopyKey, name: str, holders: list[tuple[int, object]], actor_index: int
-) -> bytes:
+    key: CopyKey, holders: list[tuple[int, object]], actor_index: int
+) -> HeldCopy:
     import ray
 
     problems = []
@@ -213,11 +251,11 @@ def _read_from_holders(
             continue  # not in this actor's store (checked first)
         try:
             read = handle.read_copy.options(concurrency_group=COPY_GROUP)
-            data = ray.get(read.remote(key, name), timeout=60)
+            wire = ray.get(read.remote(key), timeout=60)
         except Exception as exc:
             problems.append(f"actor {index}: {type(exc).__name__}")
             continue
-        if data is not None:
-            return data
+        if wire is not None:
+            return from_wire(wire, own=False)  # read once, for this load
         problems.append(f"actor {index}: not held")
-    raise RuntimeError(f"in-memory copy {key} {name}: no holder answered ({problems})")
+    raise RuntimeError(f"in-memory copy {key}: no holder answered ({problems})")

@@ -33,6 +33,7 @@ from raytrain_dt.accel.device import (
     select_device,
 )
 from raytrain_dt.checkpoint.digests import verify_files
+from raytrain_dt.checkpoint.memory_files import from_wire, to_wire
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.engines.base import EngineBuild
@@ -393,11 +394,13 @@ class RankWorker:
         self._copier.copy(step, record)
 
     # --- in-memory copies held for peers (Ray's copy concurrency group: beside set-up) --------
-    def hold_copy(self, key: CopyKey, files: dict[str, bytes]) -> None:
-        self.copies.put(tuple(key), files)
+    def hold_copy(self, key: CopyKey, wire: dict) -> None:
+        # Copied into this actor's memory: the sender's Ray object dies with the sender.
+        self.copies.put(tuple(key), from_wire(wire))
 
-    def read_copy(self, key: CopyKey, name: str) -> bytes | None:
-        return self.copies.get(tuple(key), name)
+    def read_copy(self, key: CopyKey) -> dict | None:
+        copy = self.copies.get(tuple(key))
+        return None if copy is None else to_wire(copy)
 
     def verify_checkpoint(self, uri: str, files: dict[str, dict]) -> list[str]:
         """Check this rank's share of a checkpoint's files (size and SHA-256) before any rank

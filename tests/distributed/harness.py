@@ -14,6 +14,7 @@ import contextlib
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import traceback
 from dataclasses import dataclass, field
 
@@ -49,7 +50,7 @@ class Job:
     # model.init_from: the initial weights' Hugging Face directory (each rank reads its slices).
     init_from: str | None = None
     # After training, each rank takes its in-memory copy (`worker/peer_copies.py`'s staging and
-    # `checkpoint/memory_files.py`) and leaves its files in `<memory_copy_dir>/<rank>/`.
+    # `checkpoint/memory_files.py`) and leaves it in `<memory_copy_dir>/<rank>.copy`.
     memory_copy_dir: str | None = None
     # Load the in-memory copies of `load_copies_of` ranks left in this directory (as a rank
     # reads them from the actors holding them) instead of `load_dir`.
@@ -165,22 +166,22 @@ def _run_job(rank: int, job: Job) -> JobResult:
 
 
 def _leave_memory_copy(engine, directory: str, rank: int) -> None:
-    from raytrain_dt.checkpoint.memory_files import save_to_memory
+    from raytrain_dt.checkpoint.memory_files import capture_copy, copy_metadata, to_wire
     from raytrain_dt.checkpoint.staging import ReusableStager
 
-    files = save_to_memory(engine.stage_copy(ReusableStager(background=True)).result(), rank)
-    os.makedirs(os.path.join(directory, str(rank)), exist_ok=True)
-    for name, data in files.items():
-        with open(os.path.join(directory, str(rank), name), "wb") as f:
-            f.write(data)
+    staged = engine.stage_copy(ReusableStager(background=True)).result()
+    copy = capture_copy(staged, rank, b"", copy_metadata(staged, rank))
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{rank}.copy"), "wb") as f:
+        pickle.dump(to_wire(copy), f, protocol=5)  # as Ray sends it to a peer
 
 
 def _copy_reader(job: Job):
-    from raytrain_dt.checkpoint.memory_files import CopyReader
+    from raytrain_dt.checkpoint.memory_files import CopyReader, from_wire
 
-    def fetch(owner: int, name: str) -> bytes:
-        with open(os.path.join(job.load_copies_dir, str(owner), name), "rb") as f:
-            return f.read()
+    def fetch(owner: int):
+        with open(os.path.join(job.load_copies_dir, f"{owner}.copy"), "rb") as f:
+            return from_wire(pickle.load(f))
 
     return CopyReader(list(range(job.load_copies_of)), fetch)
 
