@@ -87,6 +87,7 @@ class WriterProcess:
         self._process.stdin.close()
         self._conn = multiprocessing.connection.Connection(ours.detach())
         self._mapped, self._ids = {}, {}
+        log.info("checkpoint writer process %d started", self._process.pid)
         return True
 
     @property
