@@ -26,7 +26,6 @@ in the process (one per staged tensor).
 
 from __future__ import annotations
 
-import contextlib
 import io
 import logging
 import multiprocessing
@@ -44,6 +43,7 @@ from torch.distributed.checkpoint import filesystem as dcp_fs
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from raytrain_dt.checkpoint.digests import FileDigests, HashingStream
+from raytrain_dt.checkpoint.idle_priority import run_at_idle_priority
 from raytrain_dt.checkpoint.storage import dcp_writer
 
 log = logging.getLogger(__name__)
@@ -208,17 +208,6 @@ def _request(uri: str, sync_files: bool, planner, queued: list) -> dict | None:
     return {"uri": uri, "sync": sync_files, "new": new, "live": live, "files": files}
 
 
-def _lowest_priority() -> None:
-    """SCHED_IDLE: the writer runs when a core would otherwise idle, whatever the rank's own
-    niceness (nice 19 under a rank already at nice 19 changes nothing). It is not starved:
-    Linux still gives it a small share (weight 3 against nice 19's 15) on a saturated host."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):  # not Linux
-        with contextlib.suppress(OSError):
-            os.nice(19)
-
-
 def _main() -> None:
     """The writer process's entry: the rank's authkey on stdin, the pipe's descriptor."""
     multiprocessing.current_process().authkey = sys.stdin.buffer.read()
@@ -227,7 +216,7 @@ def _main() -> None:
 
 def _serve(conn) -> None:
     """The writer process: one request at a time until the rank's end of the pipe closes."""
-    _lowest_priority()
+    run_at_idle_priority()
     torch.set_num_threads(1)
     torch.serialization.set_crc32_options(False)
     buffers: dict[int, torch.Tensor] = {}

@@ -33,7 +33,7 @@ from raytrain_dt.accel.device import (
     select_device,
 )
 from raytrain_dt.checkpoint.digests import verify_files
-from raytrain_dt.checkpoint.memory_files import from_wire, to_wire
+from raytrain_dt.checkpoint.memory_files import to_wire
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.engines.base import EngineBuild
@@ -395,8 +395,7 @@ class RankWorker:
 
     # --- in-memory copies held for peers (Ray's copy concurrency group: beside set-up) --------
     def hold_copy(self, key: CopyKey, wire: dict) -> None:
-        # Copied into this actor's memory: the sender's Ray object dies with the sender.
-        self.copies.put(tuple(key), from_wire(wire))
+        self.copies.hold(key, wire)
 
     def read_copy(self, key: CopyKey) -> dict | None:
         copy = self.copies.get(tuple(key))
