@@ -42,7 +42,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import LoadItemType
 
-from raytrain_dt.checkpoint.staging import local_shard
+from raytrain_dt.models.materialize import local_shard
 
 # The item holding one owner's non-tensor leaves: `__objects__.<owner rank>`.
 OBJECTS_PREFIX = "__objects__."

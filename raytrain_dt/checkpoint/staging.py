@@ -26,6 +26,8 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from raytrain_dt.models.materialize import local_shard
+
 
 class ReusableStager(AsyncStager):
     # stage() returns the copy's future (background) or its result; nothing to wait for after.
@@ -75,13 +77,6 @@ class ReusableStager(AsyncStager):
         if self._executor is not None:
             self._executor.shutdown(wait=True)
         self._staged = self._signature = None
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """This rank's part of a tensor (a DTensor's local shard; any other tensor itself)."""
-    # The local shard itself, not `to_local()`: that runs an autograd function per tensor, a
-    # third of the training thread's time in staging a copy (nothing here is differentiated).
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _signature(obj: Any) -> Any:

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from raytrain_dt.accel.device import DeviceSpec
-from raytrain_dt.engines.optim import local_shard
+from raytrain_dt.models.materialize import local_shard
 
 
 def clip_gradients(parameters, max_norm: float, device: DeviceSpec, pp_group=None) -> float:

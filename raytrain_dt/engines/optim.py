@@ -24,6 +24,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 
 from raytrain_dt.config.schema import TrainerConfig
 from raytrain_dt.engines.schedule import lr_at
+from raytrain_dt.models.materialize import local_shard
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
@@ -110,11 +111,6 @@ class ShardLocalAdamW(torch.optim.AdamW):
                 ):
                     return False
         return sharded
-
-
-def local_shard(tensor: torch.Tensor) -> torch.Tensor:
-    """The rank's shard of a DTensor (sharing its storage: in-place updates land in it)."""
-    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
 
 
 def _zero_state(param: torch.Tensor, group: dict) -> dict:

@@ -110,6 +110,16 @@ def unique_parameters(model: nn.Module) -> Iterator[tuple[str, nn.Module, nn.Par
                 yield unsharded_name(f"{prefix}.{leaf}" if prefix else leaf), module, param
 
 
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (a DTensor's local shard, sharing its storage: in-place
+    updates land in it; any other tensor itself)."""
+    from torch.distributed.tensor import DTensor
+
+    # The local shard itself, not `to_local()`: that runs an autograd function per tensor (a
+    # third of the training thread's time in staging a copy; nothing here is differentiated).
+    return tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+
+
 def local_region(param: torch.Tensor) -> tuple[torch.Tensor, Index]:
     """The tensor this rank holds of `param` and the region of the global parameter it covers."""
     from torch.distributed.tensor import DTensor
