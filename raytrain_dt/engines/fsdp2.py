@@ -40,7 +40,6 @@ from raytrain_dt.checkpoint.memory_files import CopyReader, load_packed
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
-from raytrain_dt.checkpoint.write_process import ProcessWriter
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.grad_norm import clip_gradients
 from raytrain_dt.engines.micro_loss import micro_step_loss
@@ -281,15 +280,14 @@ class FSDP2Engine:
         on a staging thread during the next step's forward and backward, and that step's
         optimizer, the first thing to change the saved state, waits for the copy. The write's
         collectives run on `process_group` (gloo), never on the training group, so they cannot
-        interleave with the next step's collectives. The shard files are written by the rank's
-        writer process (`checkpoint/write_process.py`), off this process's cores and GIL.
+        interleave with the next step's collectives.
         """
         if self._stager is None:
             self._stager = ReusableStager(background=True)
         model_sd, optim_sd = self._state_dicts()
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=storage_writer or ProcessWriter(checkpoint_dir, digests),
+            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
             process_group=process_group,
             async_stager=self._stager,
         )

@@ -125,7 +125,7 @@ class RankCheckpointer:
         try:
             self._save_rng(uri, written)
             fault = (
-                {"storage_writer": DieAfterWriting(uri, written, in_writer_process=self.use_async)}
+                {"storage_writer": DieAfterWriting(uri, written)}
                 if step in self.die_while_saving
                 else {}
             )

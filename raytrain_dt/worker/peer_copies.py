@@ -27,7 +27,6 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from raytrain_dt.accel.device import DeviceSpec
-from raytrain_dt.checkpoint.idle_priority import run_at_idle_priority
 from raytrain_dt.checkpoint.memory_files import (
     CopyReader,
     HeldCopy,
@@ -61,16 +60,11 @@ class CopyStore:
         self.keep = keep
         self._copies: dict[CopyKey, HeldCopy] = {}
         self._lock = threading.Lock()
-        # A peer's copy is copied into this actor's memory at the lowest priority: this
-        # actor's own rank trains meanwhile (`hold`).
-        self._holder = ThreadPoolExecutor(
-            1, thread_name_prefix="copy-hold", initializer=run_at_idle_priority
-        )
 
     def hold(self, key: CopyKey, wire: dict) -> None:
         """A peer's copy, as it came over the wire, copied into memory this actor owns (the
         sender's Ray object dies with the sender)."""
-        self._holder.submit(lambda: self.put(tuple(key), from_wire(wire))).result()
+        self.put(tuple(key), from_wire(wire))
 
     def put(self, key: CopyKey, copy: HeldCopy) -> None:
         with self._lock:
@@ -118,10 +112,7 @@ class PeerCopier:
         ]
         self._staged_as: list[CopyKey | None] = [None] * len(self.stagers)
         self._metadata: list[tuple[int, object]] = [(0, None)] * len(self.stagers)
-        # Its copy travels to the peer at the lowest priority: in cycles training leaves idle.
-        self._executor = ThreadPoolExecutor(
-            1, thread_name_prefix="memory-copy", initializer=run_at_idle_priority
-        )
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="memory-copy")
         self._in_flight: Future | None = None
         self._step_in_flight = -1
         self.skipped = 0  # boundaries whose copy was skipped: the previous one still in flight

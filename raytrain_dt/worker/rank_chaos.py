@@ -19,7 +19,6 @@ from collections.abc import Callable
 
 from raytrain_dt.checkpoint.digests import FileDigests
 from raytrain_dt.checkpoint.storage import dcp_writer
-from raytrain_dt.checkpoint.write_process import ProcessWriter
 from raytrain_dt.config.schema import ChaosAction
 
 log = logging.getLogger("raytrain_dt.rank")
@@ -93,15 +92,10 @@ class RankChaos:
 class DieAfterWriting:
     """Chaos: DCP's writer for `uri`, except that the process exits as soon as this rank's
     shards are written, before the save completes (DCP's metadata is written only after every
-    rank's write results have arrived, and this rank never reports `saved`). With
-    `in_writer_process`, the shards are written as an async save writes them (by the rank's
-    writer process, `checkpoint/write_process.py`), which then outlives the rank only until it
-    finds the rank gone."""
+    rank's write results have arrived, and this rank never reports `saved`)."""
 
-    def __init__(self, uri: str, written: FileDigests, in_writer_process: bool = False):
-        self._writer = (
-            ProcessWriter(uri, written) if in_writer_process else dcp_writer(uri, written)
-        )
+    def __init__(self, uri: str, written: FileDigests):
+        self._writer = dcp_writer(uri, written)
 
     def __getattr__(self, name: str):
         return getattr(self._writer, name)
