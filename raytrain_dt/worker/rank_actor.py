@@ -495,11 +495,10 @@ class RankWorker:
         if self.notices is not None:
             self.notices.release_sigterm()
         self._torch_thread.submit(self._release_layout).result()
-        # The old layout's model and optimizer sit in reference cycles (modules and their
-        # hooks): a full collection frees them. It takes 0.1-0.3 s, so it runs after this
-        # call has answered, while the coordinator re-plans and forms; the next set-up runs on
-        # the same thread after it, so the old state is gone before the new one is built.
-        self._torch_thread.submit(gc.collect)
+        # It takes 0.1-0.3 s, so it runs after this call has answered, while the coordinator
+        # re-plans and forms; the next set-up runs on the same thread after it, so the old
+        # state is gone before the new one is built.
+        self._torch_thread.submit(self._free_old_layout)
         return True
 
     def _release_layout(self) -> None:
@@ -514,7 +513,11 @@ class RankWorker:
             dist.destroy_process_group()
         self._store = None  # rank 0's server closes with it
         forget_layout_caches()
-        # The layout's model, optimizer and caches are garbage now: hand their accelerator
-        # memory back and restart the peak statistic, so the next layout measures its own.
+
+    def _free_old_layout(self) -> None:
+        """The old layout's model and optimizer sit in reference cycles (modules and their
+        hooks): a full collection frees them. Then hand their accelerator memory back and
+        restart the peak statistic, so the next layout measures its own."""
+        gc.collect()
         if self._device is not None:
             release_accelerator_memory(self._device)

@@ -11,7 +11,6 @@ cleared it).
 
 from __future__ import annotations
 
-import gc
 import socket
 
 import pytest
@@ -74,7 +73,7 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
     groups = worker._torch_thread.submit(build_and_step).result()
     worker._torch_thread.submit(worker._release_layout).result()
     # `teardown` queues the collection on the torch thread after answering (as here).
-    worker._torch_thread.submit(gc.collect).result()
+    worker._torch_thread.submit(worker._free_old_layout).result()
     return rank, len(groups), sum(ref() is not None for ref in groups)
 
 
