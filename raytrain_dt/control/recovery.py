@@ -164,11 +164,11 @@ class Recovery:
         # A durable save still being written holds every survivor for up to its write time;
         # where the surviving in-memory copies are as new, the resume will not need it.
         live = live_actors([*self.group.slots, *self.group.idle])
-        superseded = self.copies is not None and self.copies.supersede(live, self.saves_in_flight())
+        in_flight = self.saves_in_flight()
+        superseded = self.copies is not None and self.copies.supersede(live, in_flight)
         if superseded:
             log.info(
-                "saves in flight %s abandoned: newer in-memory copies survive",
-                sorted(self.saves_in_flight()),
+                "saves in flight %s abandoned: newer in-memory copies survive", sorted(in_flight)
             )
         self.leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S, ended=ended, keep_save=not superseded)
 
