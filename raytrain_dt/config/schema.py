@@ -379,7 +379,8 @@ class ChaosAction:
     target: int = 0
     # step: at the boundary of at_step | forming: during the first (re)formation once the run
     # has begun at_step: kill_node after the actors are placed and before they set up;
-    # kill_rank as that rank (of the new layout) begins joining its peers
+    # kill_rank as that rank (of the new layout) begins joining its peers | joined: kill_rank
+    # in that formation once every peer has joined, as the process groups form
     at: str = "step"
 
 
@@ -544,12 +545,14 @@ def validate(cfg: TrainConfig) -> TrainConfig:
             )
         if action.at_step < 1:
             raise ConfigError(f"chaos[{i}].at_step: must be >= 1, got {action.at_step}")
-        if action.at not in ("step", "forming"):
-            raise ConfigError(f"chaos[{i}].at: {action.at!r} is not one of step, forming")
+        if action.at not in ("step", "forming", "joined"):
+            raise ConfigError(f"chaos[{i}].at: {action.at!r} is not one of step, forming, joined")
         if action.at == "forming" and action.action not in ("kill_node", "kill_rank"):
             raise ConfigError(
                 f"chaos[{i}].at: forming fires only kill_node or kill_rank, not {action.action}"
             )
+        if action.at == "joined" and action.action != "kill_rank":
+            raise ConfigError(f"chaos[{i}].at: joined fires only kill_rank, not {action.action}")
         if action.action == "kill_rank_mid_save" and cfg.engine.name != "fsdp2":
             # Only FSDP2's DCP writer can be interrupted midway (Engine.supports_async_save).
             raise ConfigError(

@@ -36,13 +36,14 @@ class Chaos:
 
     def for_formation(self, begun_step: int) -> list[ChaosAction]:
         """The actions a formation's ranks carry: every one not fired, but a rank's `at:
-        forming` fault only in the first formation once the run has begun its step (its
-        target fires it as it joins its peers; it is spent with this formation)."""
+        forming` or `at: joined` fault only in the first formation once the run has begun its
+        step (its target fires it as it joins its peers, or once they all have; it is spent
+        with this formation)."""
         carried = []
         for i, a in enumerate(self.actions):
             if i in self.fired:
                 continue
-            if a.at == "forming" and a.action not in NODE_ACTIONS:
+            if a.at in ("forming", "joined") and a.action not in NODE_ACTIONS:
                 if a.at_step > begun_step:
                     continue
                 self.fired.add(i)

@@ -387,9 +387,13 @@ class RankGroup:
         failed = []
         for rank, ref in refs.items():
             try:
-                if ray.get(ref, timeout=timeout_s) is False:
-                    failed.append(rank)
-            except Exception:
+                answer = "answered False" if ray.get(ref, timeout=timeout_s) is False else None
+            except Exception as exc:
+                lines = str(exc).strip().splitlines() or [""]
+                answer = f"{type(exc).__name__}: {lines[-1].strip()}"
+            if answer is not None:
+                # Why an actor is given up (replaced, with its in-memory copies) is worth a line.
+                log.warning("rank %d: %s failed (%s)", rank, method, answer)
                 failed.append(rank)
         return failed
 

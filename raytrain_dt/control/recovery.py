@@ -131,8 +131,10 @@ class Recovery:
             lost_nodes=sorted(lost),
         )
         log.warning("a formation failed at step %d: %s; re-planning", run.step, fault)
-        # A dead actor or node is not the step's fault; a rank's set-up that raised may be.
-        run.streak.failed(run.step, training_fault=not fault.actor_died)
+        # A dead actor or node is not the step's fault; a rank's set-up that raised may be,
+        # unless a peer of it died (the survivor's set-up often raises first: "connection
+        # closed by peer", before Ray reports the death).
+        run.streak.failed(run.step, training_fault=not (fault.actor_died or dead or lost))
         self.group.drop_spares(lost)
         self._drop_dead_then_leave([s for s in statuses if s.state != "running"])
         run.left_layout()

@@ -38,11 +38,10 @@ log = logging.getLogger(__name__)
 def side_groups() -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
     """The background writes' and the save agreement's gloo groups (`RankCheckpointer`).
 
-    Created with the mesh, right after every peer has joined (`worker/rendezvous.py`):
-    creating a group waits in C++ for every peer and cannot be interrupted, so a peer lost
-    later in the set-up (its node going down while the model builds) would hold this rank
-    there for the store's whole timeout, and the teardown would have to give the actor up. The
-    set-up's later waits are collectives, which an abort ends."""
+    Created with the mesh, right after every peer has joined (`worker/rendezvous.py`): a
+    group's formation waits for every peer's address in the layout's store, which a teardown
+    interrupts (`LeavableStore`), but a peer lost later would be waited for in the set-up's
+    collectives instead, which only a closed connection or an abort ends."""
     return dist.new_group(backend="gloo"), dist.new_group(backend="gloo")
 
 

@@ -215,11 +215,13 @@ class RankWorker:
         )
         collective = set_collective_timeout(spec.cfg.comm.timeout_s)
         joining = join_timeout(collective, spec.join_timeout_s)
-        die_joining(spec.cfg.chaos, spec.rank)
-        # Every peer is in before the group forms; a teardown meanwhile (`_stop`) ends the wait.
+        die_joining(spec.cfg.chaos, spec.rank, "forming")
+        # Every peer is in before the group forms; a teardown meanwhile (`_stop`) ends the wait,
+        # and the waits of the groups' formation on this store (`LeavableStore`).
         self._store = join_store(
             spec.master_addr, spec.master_port, spec.rank, spec.world_size, joining, self._stop
         )
+        die_joining(spec.cfg.chaos, spec.rank, "joined")
         dist.init_process_group(
             backend=device.backend,
             store=self._store,

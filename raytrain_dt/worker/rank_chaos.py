@@ -3,8 +3,9 @@
 `kill_rank` and `hang_rank` fire at the start of their step, inside the rank's train loop;
 `kill_rank_mid_save` exits once this rank's shards of that step's save are written; a
 `kill_rank` with `at: forming` exits as the rank begins joining its peers (`die_joining`): they
-wait in the join for a peer that never comes. Node-level
-faults are the driver's (`control/node_chaos.py`). The coordinator drops actions that already fired
+wait in the join for a peer that never comes; with `at: joined` it exits once all have joined,
+and they wait in the process groups' formation for its address. Node-level faults are the
+driver's (`control/node_chaos.py`). The coordinator drops actions that already fired
 from the config it hands to later layouts, so each fires once per run.
 """
 
@@ -27,12 +28,14 @@ log = logging.getLogger("raytrain_dt.rank")
 REPORTS_COLLECTED_WAIT_S = 10.0
 
 
-def die_joining(actions: list[ChaosAction], rank: int) -> None:
-    """Exit now if a `kill_rank` `at: forming` aims at this rank (the coordinator hands a rank
-    such an action only in the formation it is due in: `Chaos.for_formation`)."""
+def die_joining(actions: list[ChaosAction], rank: int, at: str) -> None:
+    """Exit now if a `kill_rank` `at` this moment of the set-up ("forming": beginning to join
+    the peers; "joined": all of them in, the process groups about to form) aims at this rank
+    (the coordinator hands a rank such an action only in the formation it is due in:
+    `Chaos.for_formation`)."""
     for action in actions:
-        if action.action == "kill_rank" and action.at == "forming" and action.target == rank:
-            log.warning("chaos: rank %d exits while joining its peers", rank)
+        if action.action == "kill_rank" and action.at == at and action.target == rank:
+            log.warning("chaos: rank %d exits while joining its peers (%s)", rank, at)
             os._exit(1)
 
 

@@ -7,6 +7,12 @@ layout's TCPStore, polling a counter between short waits: a rank told to leave
 (`leave` set by `RankWorker.teardown`) stops within `JOIN_POLL_S`, and one that waited past
 its deadline says how many peers came. Only once every peer has arrived does
 `init_process_group` run, on the same store, and then it returns at once.
+
+A peer can still be lost after it joined: while the world group, the mesh's groups or the
+checkpoint's side groups form, each rank waits in C++ (gloo's full-mesh connect) for every
+peer's address in the store, for the store's whole timeout. So the store the groups form on
+is a `LeavableStore`: every wait for a key polls, and a rank told to leave stops within a
+poll instead of being given up with its in-memory copies.
 """
 
 from __future__ import annotations
@@ -22,6 +28,9 @@ JOIN_POLL_S = 0.05
 # One attempt to reach rank 0's store; attempts repeat until the deadline or `leave`.
 CONNECT_ATTEMPT_S = 1.0
 JOINED_KEY = "raytrain_dt/joined"
+# A wait for a key polls fast at first (peers publish within moments) and backs off to this,
+# so that thousands of waiting ranks ask rank 0's store a few times a second, not thousands.
+KEY_POLL_MAX_S = 0.2
 
 
 class JoinAborted(RuntimeError):
@@ -39,7 +48,7 @@ def join_store(
     """The layout's store once all `world_size` ranks have joined it (rank 0 serves it).
     JoinAborted when `leave` is set first; TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout.total_seconds()
-    store = _connect(master_addr, master_port, rank, timeout, deadline, leave)
+    store = LeavableStore(_connect(master_addr, master_port, rank, timeout, deadline, leave), leave)
     store.add(JOINED_KEY, 1)
     while (joined := store.add(JOINED_KEY, 0)) < world_size:
         if leave.is_set():
@@ -51,6 +60,58 @@ def join_store(
             )
         time.sleep(JOIN_POLL_S)
     return store
+
+
+class LeavableStore(dist.Store):
+    """Rank 0's store, whose waits for a key end when `leave` is set (JoinAborted). c10d calls
+    it from C++ for every group it forms on this store (through its PrefixStores), so no
+    group's formation can hold a rank past its teardown. Reads and writes go straight to the
+    TCPStore; only the waits poll (`check`), instead of blocking in the server."""
+
+    def __init__(self, inner: dist.Store, leave: threading.Event):
+        super().__init__()
+        self._inner, self._leave = inner, leave
+        super().set_timeout(inner.timeout)
+
+    def _wait_for(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        limit = (timeout or self._inner.timeout).total_seconds()
+        started, pause = time.monotonic(), 0.001
+        while not self._inner.check(keys):
+            if self._leave.is_set():
+                raise JoinAborted(f"left while waiting for {keys} in the layout's store")
+            if time.monotonic() - started > limit:
+                raise dist.DistStoreError(f"{keys} not in the layout's store within {limit:.0f}s")
+            time.sleep(pause)
+            pause = min(2 * pause, KEY_POLL_MAX_S)
+
+    def get(self, key: str) -> bytes:
+        self._wait_for([key])
+        return self._inner.get(key)
+
+    def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
+        self._wait_for(keys, timeout)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._inner.check(keys)
+
+    def set(self, key: str, value) -> None:
+        self._inner.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._inner.add(key, amount)
+
+    def compare_set(self, key: str, expected, desired) -> bytes:
+        return self._inner.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._inner.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._inner.num_keys()
+
+    def set_timeout(self, timeout: datetime.timedelta) -> None:
+        super().set_timeout(timeout)
+        self._inner.set_timeout(timeout)
 
 
 def _connect(

@@ -75,9 +75,13 @@ class FakeRankGroup:
         self.setup_hangs = False  # the next `setup` never returns (its deadline passes)
         # The next `setup` loses this node (its actors die with it, as Ray reports).
         self.setup_loses_node: str | None = None
+        # ... and a survivor's set-up raises first ("connection closed by peer"), before Ray
+        # reports its peers' deaths: the fault is a raised call, not a dead actor.
+        self.survivor_raises_first = False
         # The next `form` finds no room on this node within the placement time-out.
         self.placement_times_out_on: str | None = None
         self.torn_down: list[list[int] | None] = []  # the ranks of each `teardown` call
+        self.set_up = False  # the formed layout's set-up succeeded: its ranks train
         self._stop_requested = False
         self.verified: list[set[str]] = []  # the files checked before each formation
 
@@ -102,6 +106,7 @@ class FakeRankGroup:
         for slot in self.slots:
             slot.state, slot.error = "running", None
         self.formations.append(dict(counts_by_node))
+        self.set_up = False
 
     def master_endpoint(self, timeout_s: float | None = None) -> tuple[str, int]:
         return "127.0.0.1", 1
@@ -114,6 +119,9 @@ class FakeRankGroup:
             for slot in self.slots:
                 if slot.node_id == node:
                     slot.state, slot.error = "dead", f"ActorDiedError: died {NODE_DIED}."
+            if self.survivor_raises_first:
+                detail = "RayTaskError(RuntimeError): Connection closed by peer"
+                raise FormationFault(detail, actor_died=False)
             raise FormationFault(f"ActorDiedError on node {node}: {NODE_DIED}", frozenset({node}))
         spec = specs[0]
         self.step, self.end, self.every = (
@@ -123,7 +131,7 @@ class FakeRankGroup:
         )
         self.consumed = spec.data.consumed_samples
         self.global_batch = spec.layout.global_batch
-        self.hung, self._stop_requested = False, False
+        self.hung, self._stop_requested, self.set_up = False, False, True
         return [
             {
                 "process_group_s": 0.01,
@@ -190,7 +198,7 @@ class FakeRankGroup:
     def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         running = all(s.state == "running" for s in self.slots)
         reports = [[] for _ in self.slots]
-        if running and not self.hung and self.step < self.end:
+        if running and self.set_up and not self.hung and self.step < self.end:
             self.step += 1
             self.consumed += self.global_batch
             for rank in range(self.world_size):

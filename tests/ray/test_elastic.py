@@ -182,12 +182,16 @@ def test_a_node_lost_while_re_forming_after_a_rank_death(restore_nodes, make_con
 
 
 @pytest.mark.timeout(600)
-def test_a_peer_dying_while_the_survivors_join_keeps_every_survivor(restore_nodes, make_config):
+@pytest.mark.parametrize("dies_at", ["forming", "joined"])
+def test_a_peer_dying_while_the_survivors_join_keeps_every_survivor(
+    restore_nodes, make_config, dies_at
+):
     """Rank 1 of 4 dies; in the re-formation on the three survivors, rank 2 of the new layout
-    dies as it begins joining, while the other two wait in the join for it. Their polls and
-    teardown are answered during that set-up and end its wait (`worker/rendezvous.py`), so
-    both are kept: the run re-forms on exactly those two actors, with no new one, and trains
-    what an uninterrupted run would."""
+    dies as it begins joining ("forming": the other two wait in the join for it), or once all
+    three have joined ("joined": the other two wait for its address as the process groups
+    form, in C++). Their polls and teardown are answered during that set-up and end its wait
+    (`worker/rendezvous.py`), so both are kept: the run re-forms on exactly those two actors,
+    with no new one, and trains what an uninterrupted run would."""
     steps = 10
     cfg = make_config(
         f"trainer.steps={steps}",
@@ -196,7 +200,7 @@ def test_a_peer_dying_while_the_survivors_join_keeps_every_survivor(restore_node
         "engine.zero_stage=3",
         "chaos_step_delay_s=0.3",
         "chaos=[{at_step: 6, action: kill_rank, target: 1},"
-        " {at_step: 6, action: kill_rank, target: 2, at: forming}]",
+        f" {{at_step: 6, action: kill_rank, target: 2, at: {dies_at}}}]",
     )
     result = train(cfg, simulated_cluster=restore_nodes, show_progress=False)
     assert result.final_step == steps

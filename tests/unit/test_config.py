@@ -72,9 +72,14 @@ def test_kill_rank_mid_save_is_refused_for_an_engine_whose_saves_cannot_be_inter
     load_config(None, ["engine.name=fsdp2", chaos])
 
 
-def test_chaos_at_is_step_or_forming_and_forming_fires_only_kills():
-    with pytest.raises(ConfigError, match=r"^chaos\[1\]\.at: 'setup' is not one of step, forming$"):
+def test_chaos_at_is_step_forming_or_joined_and_those_fire_only_kills():
+    with pytest.raises(
+        ConfigError, match=r"^chaos\[1\]\.at: 'setup' is not one of step, forming, joined$"
+    ):
         load_config(None, ["chaos=[{at_step: 2}, {at_step: 3, action: kill_node, at: setup}]"])
+    with pytest.raises(ConfigError, match=r"^chaos\[0\]\.at: joined fires only kill_rank, not"):
+        load_config(None, ["chaos=[{at_step: 2, action: kill_node, at: joined}]"])
+    assert load_config(None, ["chaos=[{at_step: 2, at: joined}]"]).chaos[0].at == "joined"
     with pytest.raises(
         ConfigError, match=r"^chaos\[0\]\.at: forming fires only kill_node or kill_rank, not hang"
     ):

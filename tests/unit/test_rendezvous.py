@@ -5,7 +5,7 @@ import datetime
 import threading
 import time
 
-from raytrain_dt.worker.rendezvous import JOIN_POLL_S, JoinAborted, join_store
+from raytrain_dt.worker.rendezvous import JOIN_POLL_S, KEY_POLL_MAX_S, JoinAborted, join_store
 
 LONG = datetime.timedelta(seconds=60)
 
@@ -78,3 +78,44 @@ def test_a_rank_whose_rank_0_never_listens_leaves_when_told():
     exc, took = outcomes[1]
     assert isinstance(exc, JoinAborted) and "before reaching rank 0" in str(exc)
     assert took >= 0.5  # it waited until it was told, not less
+
+
+def test_a_group_forming_on_the_joined_store_stops_waiting_for_a_peer_lost_after_joining():
+    """Both ranks join; rank 1 is lost before the next group forms. Rank 0, forming that group
+    (gloo's full-mesh connect waits in C++ for rank 1's address), leaves when told, within a
+    poll of the store, instead of waiting out the store's 60 s; a group both ranks form is
+    unaffected."""
+    import torch.distributed as dist
+
+    leave = threading.Event()
+    threads, outcomes = _join_in_threads(range(2), 2, LONG, leave)
+    for thread in threads:
+        thread.join(timeout=30)
+    stores = {rank: store for rank, (store, _) in outcomes.items()}
+
+    def form(rank, prefix, formed):
+        started = time.monotonic()
+        try:
+            dist.ProcessGroupGloo(dist.PrefixStore(prefix, stores[rank]), rank, 2, LONG)
+            formed[rank] = ("formed", time.monotonic() - started)
+        except Exception as exc:  # the outcome under test
+            formed[rank] = (exc, time.monotonic() - started)
+
+    both = {}
+    pair = [threading.Thread(target=form, args=(r, "both", both)) for r in range(2)]
+    for thread in pair:
+        thread.start()
+    for thread in pair:
+        thread.join(timeout=30)
+    assert [both[r][0] for r in range(2)] == ["formed", "formed"]
+
+    alone = {}
+    forming = threading.Thread(target=form, args=(0, "alone", alone), daemon=True)
+    forming.start()
+    time.sleep(1.0)
+    assert alone == {}  # still waiting for rank 1's address
+    leave.set()
+    forming.join(timeout=10)
+    exc, took = alone[0]
+    assert isinstance(exc, JoinAborted) and "left while waiting" in str(exc)
+    assert 1.0 <= took < 1.0 + 2 * KEY_POLL_MAX_S + 1.0
