@@ -17,8 +17,14 @@ runs as its default on CPU ranks, without in-memory copies, and again with a cop
 (issue 19: <= 3%). Both ranks are on one node, so each is the other's peer (`peer_ranks`: the
 next rank on a single node): every step each rank stages its copy, keeps it, sends it to the
 other and holds the other's, the whole per-node cost of the copies at 2 ranks per node.
+
+The copies cost what their state's bytes cost to copy, whatever the step computes, so their
+share of the step falls as the tokens per step grow; 64 tokens per rank, the headline's, is
+where they weigh most (real runs train thousands per rank). A second table measures ours
+with and without them at 256 and 1,024 tokens per rank per step (global batch 8 and 32, the
+same model and state): the added milliseconds per step should stay flat while the ratio falls.
 Writes bench/results/overhead.json.
-Run: python bench/bench_overhead.py [--repeats N] [--steps N]
+Run: python bench/bench_overhead.py [--repeats N] [--steps N] [--sweep-steps N]
 """
 
 from __future__ import annotations
@@ -65,11 +71,44 @@ TARGET = 1.05
 # on GPUs) cost at most 3% of the step time: ours with them against ours without.
 COPIES_TARGET = 1.03
 WITH_COPIES = "raytrain-dt (memory_every_steps=1)"
+# The copies' sweep: global batches beyond the headline's (256 and 1,024 tokens per rank).
+SWEEP_BATCHES = (8, 32)
 
 
-def workload(steps: int) -> list[str]:
+def workload(steps: int, global_batch: int = GLOBAL_BATCH) -> list[str]:
     """The dotlist every system here (and bench_input) trains with."""
-    return common.workload_overrides(PRESET, SEQ_LEN, steps, GLOBAL_BATCH, PINS) + SHAPE
+    pins = {**PINS, "trainer.micro_batch": global_batch // 2}
+    return common.workload_overrides(PRESET, SEQ_LEN, steps, global_batch, pins) + SHAPE
+
+
+def copies_sweep(steps: int, warmup: int, repeats: int, scratch: Path) -> list[dict]:
+    """Ours without and with a copy every step, in turn, at each of `SWEEP_BATCHES`."""
+    rows = []
+    for batch in SWEEP_BATCHES:
+        periods: dict[int, list[float]] = {0: [], 1: []}
+        for _ in range(repeats):
+            for every in periods:
+                overrides = [*workload(steps, batch), f"checkpoint.memory_every_steps={every}"]
+                result = run_ours(overrides, scratch / f"sweep_{batch}_{every}")
+                periods[every].append(common.steady_period(result["step_ends"], warmup))
+        without, with_copies = (statistics.median(periods[e]) for e in (0, 1))
+        ratio = statistics.median(w / o for w, o in zip(periods[1], periods[0]))
+        rows.append(
+            {
+                "tokens_per_rank_step": batch // 2 * SEQ_LEN,
+                "global_batch": batch,
+                "period_without_s": round(without, 4),
+                "period_with_s": round(with_copies, 4),
+                "added_ms_per_step": round((with_copies - without) * 1e3, 1),
+                "ratio": round(ratio, 3),
+                "per_repeat_s (without/with)": "/".join(
+                    ",".join(f"{x:.3f}" for x in periods[e]) for e in (0, 1)
+                ),
+                "status": "PASS" if ratio <= COPIES_TARGET else "FAIL",
+            }
+        )
+        print(f"copies at {batch // 2 * SEQ_LEN} tokens/rank/step: {ratio:.3f}x", flush=True)
+    return rows
 
 
 def fn_config(overrides: list[str], out: Path, destroy: bool) -> dict:
@@ -162,6 +201,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--sweep-steps", type=int, default=20, help="0: no copies' sweep")
     args = parser.parse_args()
     overrides = workload(args.steps)
     scratch = common.SCRATCH / "overhead"
@@ -230,6 +270,24 @@ def main() -> int:
             case["target"] = f"<= {COPIES_TARGET}"
             case["status"] = "PASS" if ratios[peer] <= COPIES_TARGET else "FAIL"
         cases.append(case)
+    sweep = []
+    if args.sweep_steps:
+        sweep_warmup = min(args.warmup, args.sweep_steps // 4)
+        sweep = copies_sweep(args.sweep_steps, sweep_warmup, args.repeats, scratch)
+        headline = {
+            "tokens_per_rank_step": GLOBAL_BATCH // 2 * SEQ_LEN,
+            "global_batch": GLOBAL_BATCH,
+            "period_without_s": round(statistics.median(period["raytrain-dt"]), 4),
+            "period_with_s": round(statistics.median(period[WITH_COPIES]), 4),
+            "added_ms_per_step": round(
+                (statistics.median(period[WITH_COPIES]) - statistics.median(period["raytrain-dt"]))
+                * 1e3,
+                1,
+            ),
+            "ratio": round(ratios[WITH_COPIES], 3),
+            "status": "PASS" if ratios[WITH_COPIES] <= COPIES_TARGET else "FAIL",
+        }
+        sweep = [headline, *sweep]
     common.write_result(
         "overhead",
         "Orchestration overhead: steady-state step time",
@@ -251,6 +309,16 @@ def main() -> int:
             f"{min(load):.1f}-{max(load):.1f}"
         ),
         loss_diff_first5=loss_diff,
+        tables=[
+            {
+                "title": "In-memory copies of every step against the tokens per step (same "
+                f"model and state; target <= {COPIES_TARGET}x; {args.sweep_steps} steps per "
+                "run beyond the headline's)",
+                "cases": sweep,
+            }
+        ]
+        if sweep
+        else [],
     )
     ms = {name: statistics.median(period[name]) * 1e3 for name in runners}
     print(

@@ -77,7 +77,7 @@ class CheckpointStore:
 
     # --- commit ------------------------------------------------------------------------------
     def commit(self, step: int, train_state: dict, files: dict[str, dict]) -> CheckpointRef:
-        """Record `files` ({name: {size, sha256}}, every rank's reports merged) as checkpoint
+        """Record `files` ({name: {size, checksum}}, every rank's reports merged) as checkpoint
         N. Call only after every rank reported its shards written. Reads no file: a listing
         confirms each reported file is there with its reported size (CheckpointError if not)."""
         loc = self.root.child(f"step_{step}")
@@ -160,7 +160,7 @@ class CheckpointStore:
 
 
 def merge_manifests(per_rank: dict[int, dict[str, dict]]) -> dict[str, dict]:
-    """One manifest from every rank's written files ({rank: {name: {size, sha256}}}). A file
+    """One manifest from every rank's written files ({rank: {name: {size, checksum}}}). A file
     two ranks report must have the same contents in both reports (CheckpointError if not)."""
     merged: dict[str, dict] = {}
     reported_by: dict[str, int] = {}

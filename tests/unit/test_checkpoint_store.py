@@ -66,6 +66,31 @@ def test_commit_records_every_reported_file_with_size_and_checksum(tmp_path, sto
     assert store.latest_valid().step == 4
 
 
+def test_manifests_record_xxh3_and_sha256_manifests_of_earlier_versions_still_verify(tmp_path):
+    import hashlib
+
+    import xxhash
+
+    reports = _write_step(tmp_path, 4)
+    entry = reports[0]["__0_0.distcp"]
+    assert entry == {"size": 100, "xxh3_128": xxhash.xxh3_128(b"x" * 100).hexdigest()}
+    step_dir = tmp_path / "step_4"
+    older = {  # as a version hashing with SHA-256 recorded the same files
+        name: {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        for name in ("__0_0.distcp", ".metadata")
+        for data in [(step_dir / name).read_bytes()]
+    }
+    assert verify_files(str(step_dir), older) == []
+    (step_dir / "__0_0.distcp").write_bytes(b"y" * 100)  # same size, other bytes
+    for manifest in (older, reports[0]):
+        problems = verify_files(str(step_dir), manifest)
+        assert problems == [f"{step_dir}/__0_0.distcp: checksum mismatch"]
+    unnamed = {"__0_0.distcp": {"size": 100, "md5": "00"}}
+    assert verify_files(str(step_dir), unnamed) == [
+        f"{step_dir}/__0_0.distcp: no checksum recorded (one of xxh3_128, sha256)"
+    ]
+
+
 def test_commit_and_latest_valid_read_no_checkpoint_byte(tmp_path, store, monkeypatch):
     reports = _write_step(tmp_path, 4)
     opened = []
