@@ -178,6 +178,13 @@ def test_wandb_offline_run_holds_the_config_every_step_and_the_summary(
     metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
     events = read_jsonl(f"{result.run_dir}/events.jsonl")
 
+    # `run.finish()` returns once W&B's service has the run's exit; the service then closes the
+    # run's stream, and only then flushes the file's buffered block (a loaded host once read
+    # it before: no record at all). `raytrain-dt train`'s process exit waits for that (W&B's
+    # atexit teardown), and so does this.
+    import wandb
+
+    wandb.teardown()
     (run_file,) = (tmp_path / "wandb_files" / "wandb").glob("offline-run-*/run-*.wandb")
     run = read_wandb_run(run_file)
     assert run.name == "tracked-wandb" and run.project == "trackers-test"
