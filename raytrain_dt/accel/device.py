@@ -141,6 +141,8 @@ def _ray_gpu_ids() -> list[str]:
     try:
         import ray
 
+        if not ray.is_initialized():  # the runtime context would start (or join) a Ray
+            return []
         return list(ray.get_runtime_context().get_accelerator_ids().get("GPU", []))
     except Exception:  # not inside a Ray worker
         return []
