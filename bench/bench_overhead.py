@@ -81,6 +81,25 @@ def workload(steps: int, global_batch: int = GLOBAL_BATCH) -> list[str]:
     return common.workload_overrides(PRESET, SEQ_LEN, steps, global_batch, pins) + SHAPE
 
 
+def copies_row(batch: int, without: list[float], with_copies: list[float]) -> dict:
+    """One row of the copies' table: ours at global batch `batch` without and with a copy
+    every step (steady seconds per step, per repeat, run in turn)."""
+    ratio = statistics.median(w / o for w, o in zip(with_copies, without))
+    added = statistics.median(with_copies) - statistics.median(without)
+    return {
+        "tokens_per_rank_step": batch // 2 * SEQ_LEN,
+        "global_batch": batch,
+        "period_without_s": round(statistics.median(without), 4),
+        "period_with_s": round(statistics.median(with_copies), 4),
+        "added_ms_per_step": round(added * 1e3, 1),
+        "ratio": round(ratio, 3),
+        "per_repeat_s (without/with)": "/".join(
+            ",".join(f"{x:.3f}" for x in periods) for periods in (without, with_copies)
+        ),
+        "status": "PASS" if ratio <= COPIES_TARGET else "FAIL",
+    }
+
+
 def copies_sweep(steps: int, warmup: int, repeats: int, scratch: Path) -> list[dict]:
     """Ours without and with a copy every step, in turn, at each of `SWEEP_BATCHES`."""
     rows = []
@@ -91,23 +110,10 @@ def copies_sweep(steps: int, warmup: int, repeats: int, scratch: Path) -> list[d
                 overrides = [*workload(steps, batch), f"checkpoint.memory_every_steps={every}"]
                 result = run_ours(overrides, scratch / f"sweep_{batch}_{every}")
                 periods[every].append(common.steady_period(result["step_ends"], warmup))
-        without, with_copies = (statistics.median(periods[e]) for e in (0, 1))
-        ratio = statistics.median(w / o for w, o in zip(periods[1], periods[0]))
-        rows.append(
-            {
-                "tokens_per_rank_step": batch // 2 * SEQ_LEN,
-                "global_batch": batch,
-                "period_without_s": round(without, 4),
-                "period_with_s": round(with_copies, 4),
-                "added_ms_per_step": round((with_copies - without) * 1e3, 1),
-                "ratio": round(ratio, 3),
-                "per_repeat_s (without/with)": "/".join(
-                    ",".join(f"{x:.3f}" for x in periods[e]) for e in (0, 1)
-                ),
-                "status": "PASS" if ratio <= COPIES_TARGET else "FAIL",
-            }
+        rows.append(copies_row(batch, periods[0], periods[1]))
+        print(
+            f"copies at {batch // 2 * SEQ_LEN} tokens/rank/step: {rows[-1]['ratio']}x", flush=True
         )
-        print(f"copies at {batch // 2 * SEQ_LEN} tokens/rank/step: {ratio:.3f}x", flush=True)
     return rows
 
 
@@ -274,19 +280,7 @@ def main() -> int:
     if args.sweep_steps:
         sweep_warmup = min(args.warmup, args.sweep_steps // 4)
         sweep = copies_sweep(args.sweep_steps, sweep_warmup, args.repeats, scratch)
-        headline = {
-            "tokens_per_rank_step": GLOBAL_BATCH // 2 * SEQ_LEN,
-            "global_batch": GLOBAL_BATCH,
-            "period_without_s": round(statistics.median(period["raytrain-dt"]), 4),
-            "period_with_s": round(statistics.median(period[WITH_COPIES]), 4),
-            "added_ms_per_step": round(
-                (statistics.median(period[WITH_COPIES]) - statistics.median(period["raytrain-dt"]))
-                * 1e3,
-                1,
-            ),
-            "ratio": round(ratios[WITH_COPIES], 3),
-            "status": "PASS" if ratios[WITH_COPIES] <= COPIES_TARGET else "FAIL",
-        }
+        headline = copies_row(GLOBAL_BATCH, period["raytrain-dt"], period[WITH_COPIES])
         sweep = [headline, *sweep]
     common.write_result(
         "overhead",
