@@ -2,10 +2,10 @@
 
 Sources: parquet, JSONL and text files (a file, a directory or a glob), a Hugging Face
 `datasets` directory written by `save_to_disk`, or a Ray Dataset object (Python API). Ray Data
-reads the source and runs the tokenize map in parallel; the driver then iterates the result
-*in order* (`preserve_order`), appends a separator after each document (built-in tokenizers)
-and cuts the stream into `seq_len` rows, written as the same parquet parts `prepare-data`
-writes. Sample id = row number of that frozen file, so the global order (`data.order`), the
+reads the source and runs the tokenize map in parallel; one packing task on the driver's node
+iterates the result *in order* (`preserve_order`), appends a separator after each document
+(built-in tokenizers) and cuts the stream into `seq_len` rows, written as the same parquet
+parts `prepare-data` writes. Sample id = row number of that frozen file, so the global order (`data.order`), the
 per-DP-rank slices and the resume position apply unchanged: exactly-once and resizes hold for
 user data because they only ever see a fixed, numbered set of samples (docs/design.md).
 
@@ -14,6 +14,12 @@ files (paths, sizes, modification times) and the settings, for path sources, so 
 driver or a resubmitted job reuses it without tokenizing again; of the packed tokens themselves
 for Ray Dataset objects, whose origin cannot be named. A directory appears only complete (it is
 written under a temporary name and renamed).
+
+The packing runs in a Ray task, not in the driver: the task owns Ray Data's tasks, so a crash of
+Ray's core while it consumes them (a cancelled task's reply racing its cancellation,
+ray-project/ray#54785, seen once in this project's CI) takes down a worker that Ray retries,
+not the driver; and the documents' bytes never pass through the driver. The task is pinned to
+the driver's node, where `data.cache_dir` is.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import pyarrow as pa
 from raytrain_dt.data.prepare import DOC_SEPARATOR, META_FILE, ROWS_PER_FILE, write_part
 from raytrain_dt.data.remote import bucket_path, is_remote, list_files, s3_filesystem
 from raytrain_dt.data.source import TokenDataset
-from raytrain_dt.errors import DataError
+from raytrain_dt.errors import DataError, UserError
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +52,9 @@ FORMAT_SUFFIXES = {
 }
 # Bumped whenever packing changes, so old caches are never mistaken for new ones.
 PACKING_VERSION = 1
+# Attempts after the packing task's worker died (a retry packs from the start, in a new
+# temporary directory); an error the packing raised is never retried.
+PACK_TASK_RETRIES = 2
 
 
 @dataclass(frozen=True)
@@ -292,6 +301,36 @@ def materialize(
     return final
 
 
+def materialize_on_this_node(
+    ds,
+    settings: PackSettings,
+    cache_root: Path,
+    key: str | None,
+    what: str,
+    tokenize: Callable | None = None,
+) -> Path:
+    """`materialize`, run in a Ray task on this process's node (see the module docstring);
+    the packing's own error is raised here as itself, in one line."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if key is not None and (cache_root / key / META_FILE).is_file():
+        return materialize(ds, settings, cache_root, key, what, tokenize)  # no task to start
+    here = ray.get_runtime_context().get_node_id()
+    task = ray.remote(materialize).options(
+        name="raytrain_dt.pack",
+        num_cpus=0,  # as the driver it stands in for: Ray Data's own tasks take the CPUs
+        max_retries=PACK_TASK_RETRIES,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False),
+    )
+    try:
+        return ray.get(task.remote(ds, settings, cache_root, key, what, tokenize))
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, UserError):
+            raise exc.cause from None
+        raise
+
+
 def open_user_dataset(
     data_cfg,
     cache_root: Path,
@@ -316,9 +355,11 @@ def open_user_dataset(
             if key is None or not (cache_root / key / META_FILE).is_file()
             else None
         )
-        path = materialize(ds, settings, cache_root, key, source, tokenize)
+        path = materialize_on_this_node(ds, settings, cache_root, key, source, tokenize)
     else:
-        path = materialize(dataset, settings, cache_root, None, "the given Ray Dataset", tokenize)
+        path = materialize_on_this_node(
+            dataset, settings, cache_root, None, "the given Ray Dataset", tokenize
+        )
     meta = json.loads((path / META_FILE).read_text())
     if vocab_size is not None and meta["max_token_id"] >= vocab_size:
         raise DataError(

@@ -16,6 +16,7 @@ from reference import global_batch_ids, reference_run
 from raytrain_dt.cli import main
 from raytrain_dt.config.schema import DataConfig
 from raytrain_dt.control.coordinator import train
+from raytrain_dt.data import user_data
 from raytrain_dt.data.prepare import prepare_dataset
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.data.user_data import open_user_dataset
@@ -44,7 +45,15 @@ def _sources(user_docs: Path, tmp: Path) -> dict[str, str]:
     }
 
 
-def test_every_format_packs_the_samples_prepare_data_writes(user_docs, tmp_path):
+def _packed_in_the_driver(*args, **kwargs):
+    raise AssertionError("the driver iterated the Ray Dataset itself")
+
+
+def test_every_format_packs_the_samples_prepare_data_writes(user_docs, tmp_path, monkeypatch):
+    # The packing runs in a task on this node, never in the driver (a crash of Ray's core
+    # while Ray Data's tasks are consumed must not take the driver down): here, in the
+    # driver's process, packing fails.
+    monkeypatch.setattr(user_data, "pack", _packed_in_the_driver)
     expected_dir = tmp_path / "prepared"
     prepare_dataset(expected_dir, str(user_docs / "text" / "*.txt"), seq_len=SEQ_LEN)
     expected = TokenDataset.open(expected_dir, SEQ_LEN)
