@@ -19,7 +19,11 @@ copy is (this process, or a peer holding it).
 Between processes a copy travels as `to_wire`'s form: each tensor as a flat byte array
 (numpy: Ray moves it out of band, copied without the GIL), and `from_wire` rebuilds it, in
 memory the receiver owns when it holds the copy for a peer (a Ray object dies with the process
-that put it; the peer's copy must outlive the sender, which is its point).
+that put it; the peer's copy must outlive the sender, which is its point). That memory is
+reused: a holder hands the buffers of a copy it let go to the next copy it receives
+(`reuse`), because a fresh allocation of a copy's size is a fresh mapping whose every page
+faults on first write, which costs more than the copy itself (5.2 ms against 2.0 ms for
+20 MB here).
 """
 
 from __future__ import annotations
@@ -57,6 +61,9 @@ class HeldCopy:
     tensors: dict[str, torch.Tensor]  # state dict key -> this rank's local shard, in host memory
     objects: dict  # state dict key -> non-tensor leaf (0-dim tensors included)
     rng: bytes  # the owner's generators (`worker/checkpointing.rng_state_bytes`)
+    # The flat buffers this copy's tensors view, where `from_wire` allocated them for it (a
+    # held peer copy); empty for a copy in its owner's staging buffers.
+    owned: list[torch.Tensor] = dataclasses.field(default_factory=list)
 
     def sizes(self) -> dict[str, int]:
         """Bytes held, by part (what a `MemoryCopyReport` names)."""
@@ -144,15 +151,23 @@ def to_wire(copy: HeldCopy) -> dict:
     }
 
 
-def from_wire(wire: dict, own: bool = True) -> HeldCopy:
+def from_wire(
+    wire: dict, own: bool = True, reuse: Callable[[int], torch.Tensor | None] | None = None
+) -> HeldCopy:
     """The copy `to_wire` sent. `own`: its memory copied into memory this process owns (a
-    held copy); otherwise views of the received arrays (a copy read once, for a load)."""
-    flats = []
+    held copy), into a buffer `reuse(nbytes)` gives where it gives one (a flat uint8 buffer
+    nothing else uses any more); otherwise views of the received arrays (a copy read once,
+    for a load)."""
+    flats, owned = [], []
     for data in wire["arrays"]:
         with warnings.catch_warnings():  # Ray's arrays are read-only; nothing writes them here
             warnings.simplefilter("ignore", UserWarning)
             flat = torch.from_numpy(data)
-        flats.append(torch.empty_like(flat).copy_(flat) if own else flat)  # copy_: no GIL
+        if own:
+            spare = reuse(flat.numel()) if reuse is not None else None
+            flat = (torch.empty_like(flat) if spare is None else spare).copy_(flat)  # no GIL
+            owned.append(flat)
+        flats.append(flat)
     tensors = {}
     for key, (dtype, shape, array, offset) in wire["tensors"].items():
         dtype = getattr(torch, dtype)
@@ -162,7 +177,7 @@ def from_wire(wire: dict, own: bool = True) -> HeldCopy:
         key: torch.tensor(v.value, dtype=getattr(torch, v.dtype)) if isinstance(v, _Scalar) else v
         for key, v in wire["objects"].items()
     }
-    return HeldCopy(wire["metadata"], tensors, objects, wire["rng"])
+    return HeldCopy(wire["metadata"], tensors, objects, wire["rng"], owned)
 
 
 @dataclasses.dataclass(frozen=True)

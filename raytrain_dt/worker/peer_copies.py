@@ -54,29 +54,56 @@ CopyKey = tuple[int, int, int]
 class CopyStore:
     """The copies one actor holds, its own rank's and its peers', of the newest `keep`
     (generation, step) points: the newest may still be incomplete on other ranks, the one
-    before is then the newest complete one. Thread-safe (copy threads put, readers get)."""
+    before is then the newest complete one. Thread-safe (copy threads put, readers get).
+
+    A peer's copy that is let go gives its buffers to the next one received (`from_wire`'s
+    `reuse`), unless it was ever handed out (`get`: a load or a reader may still view it), so
+    that in steady state a copy step allocates nothing. Spares are kept for the newest
+    generation's sizes only."""
 
     def __init__(self, keep: int = 2):
         self.keep = keep
         self._copies: dict[CopyKey, HeldCopy] = {}
+        self._lent: set[int] = set()  # id() of held copies handed out by `get`
+        self._spares: dict[int, list] = {}  # nbytes -> flat buffers no held copy views
+        self._spares_generation = -1
         self._lock = threading.Lock()
 
     def hold(self, key: CopyKey, wire: dict) -> None:
         """A peer's copy, as it came over the wire, copied into memory this actor owns (the
         sender's Ray object dies with the sender)."""
-        self.put(tuple(key), from_wire(wire))
+        self.put(tuple(key), from_wire(wire, reuse=self._spare))
+
+    def _spare(self, nbytes: int):
+        with self._lock:
+            spares = self._spares.get(nbytes)
+            return spares.pop() if spares else None
 
     def put(self, key: CopyKey, copy: HeldCopy) -> None:
         with self._lock:
+            if key[0] > self._spares_generation:  # a new layout: its shards have new sizes
+                self._spares, self._spares_generation = {}, key[0]
             self._copies[key] = copy
             points = sorted({(g, s) for g, s, _ in self._copies})
             for old in points[: -self.keep]:
                 for stale in [k for k in self._copies if k[:2] == old]:
-                    del self._copies[stale]
+                    self._let_go(self._copies.pop(stale))
+
+    def _let_go(self, copy: HeldCopy) -> None:
+        if id(copy) in self._lent:
+            self._lent.discard(id(copy))
+            return  # a load or a reader may still view it: its memory is freed with it
+        for flat in copy.owned:
+            spares = self._spares.setdefault(flat.numel(), [])
+            if len(spares) < self.keep:
+                spares.append(flat)
 
     def get(self, key: CopyKey) -> HeldCopy | None:
         with self._lock:
-            return self._copies.get(tuple(key))
+            copy = self._copies.get(tuple(key))
+            if copy is not None:
+                self._lent.add(id(copy))
+            return copy
 
     def holds(self, key: CopyKey | None) -> bool:
         with self._lock:

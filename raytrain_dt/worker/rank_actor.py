@@ -404,7 +404,7 @@ class RankWorker:
         return None if copy is None else to_wire(copy)
 
     def verify_checkpoint(self, uri: str, files: dict[str, dict]) -> list[str]:
-        """Check this rank's share of a checkpoint's files (size and SHA-256) before any rank
+        """Check this rank's share of a checkpoint's files (size and checksum) before any rank
         loads it; what is wrong, one line per file (empty: intact). The coordinator hands each
         rank a disjoint share and gathers the answers (`checkpoint/digests.py`)."""
         return verify_files(uri, files)

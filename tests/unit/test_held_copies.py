@@ -78,3 +78,29 @@ def test_rotating_buffers_never_overwrite_a_held_copy():
         assert _loaded(store.get((1, step, 0)))["optim"]["state.w.step"] == float(step)
     assert store.get((1, 3, 0)) is None
     copier.close()
+
+
+def _wire(seed: float) -> dict:
+    copy = _copy(_state(seed), ReusableStager(one_allocation=True))
+    return pickle.loads(pickle.dumps(to_wire(copy), protocol=5))
+
+
+def test_a_holder_receives_into_the_buffers_of_the_copies_it_let_go_never_a_lent_one():
+    store = CopyStore(keep=2)
+    for step in (1, 2):
+        store.hold((1, step, 0), _wire(float(step)))
+    first = store._copies[(1, 1, 0)].owned[0].data_ptr()
+    store.hold((1, 3, 0), _wire(3.0))  # lets step 1 go: its buffer becomes a spare
+    store.hold((1, 4, 0), _wire(4.0))  # received into step 1's buffer
+    assert store._copies[(1, 4, 0)].owned[0].data_ptr() == first
+    for step in (3, 4):  # each held copy still its own step's state
+        assert torch.equal(
+            _loaded(store.get((1, step, 0)))["model"]["w"], _state(step)["model"]["w"]
+        )
+    # Copies 3 and 4 were handed out, and a load still views them: never written again.
+    viewed = [store.get((1, s, 0)) for s in (3, 4)]
+    for step in (5, 6, 7):
+        store.hold((1, step, 0), _wire(float(step)))
+    for step, copy in zip((3, 4), viewed, strict=True):
+        assert torch.equal(_loaded(copy)["model"]["w"], _state(step)["model"]["w"])
+    assert torch.equal(_loaded(store.get((1, 7, 0)))["model"]["w"], _state(7)["model"]["w"])
