@@ -81,18 +81,27 @@ class Location:
         self.fs.makedirs(self.path, exist_ok=True)
 
 
-def dcp_writer(uri: str, digests=None):
+def dcp_writer(uri: str, digests=None, background: bool = False):
     """DCP's writer for `uri`; with `digests` (a `digests.FileDigests`), every file it writes
-    is hashed as it is written and recorded there."""
+    is hashed as it is written and recorded there. `background`: an async save's, whose
+    writing runs at idle CPU priority (`checkpoint/background.py`)."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
+    from raytrain_dt.checkpoint.background import in_background
     from raytrain_dt.checkpoint.digests import DigestingFileSystem
+    from raytrain_dt.checkpoint.direct_io import DirectFileSystem
 
     loc = Location.parse(uri)
-    writer = FileSystemWriter(loc.path) if loc.is_local else FsspecWriter(uri)
+    if loc.is_local:
+        writer = FileSystemWriter(loc.path)
+        writer.fs = DirectFileSystem()  # around the page cache (`checkpoint/direct_io.py`)
+    else:
+        writer = FsspecWriter(uri)
     if digests is not None:
         writer.fs = DigestingFileSystem(writer, digests)
+    if background:  # DCP calls write_data on its upload thread, a new one per async save
+        writer.write_data = in_background(writer.write_data)
     return writer
 
 
