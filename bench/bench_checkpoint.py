@@ -15,7 +15,10 @@
     a run, which allocates the staging buffers, is not timed. Measured twice: with 2 ranks
     training on this host's 2 cores (the target's row: the background write takes its CPU from
     training), and with 1 rank holding the same state, a core left free for the writer, as on
-    a GPU host, where training runs on the accelerator and the host's cores wait.
+    a GPU host, where training runs on the accelerator and the host's cores wait. One thing
+    that row still shares with training, unlike a GPU host: the host's memory bandwidth. The
+    staging copy and the write move the state's bytes through memory several times, and the
+    training thread's own CPU time grows while they do (4.35 s to 4.4-4.7 s per window here).
 (b) Peak RSS of `raytrain-dt ckpt consolidate` on the same checkpoint, against the model's
     size and the RSS of a process that only imports what the command imports. Target: at most
     3x the largest tensor above the imports (streamed tensor by tensor: one read, one written,
