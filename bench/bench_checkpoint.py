@@ -28,10 +28,11 @@
     process). Synthetic rank files are written as ranks write them, hashed on the way out, and
     their digests reported; only the driver's merge of the reports and `CheckpointStore.commit`
     are timed (median over repeats). Target: flat (largest within 2x of smallest) with 0 bytes
-    read; the script exits 1 when it is missed. Beside it, the ranks' cost of hashing while
-    writing: the checksum alone (XXH3-128; SHA-256 beside it), and the same shards written
-    and fsynced (as DCP writes them) with and without hashing on the way out, in turn, the
-    fastest of a few repeats each.
+    read; the script exits 1 when it is missed. Beside it, the ranks' cost of writing: the
+    checksum alone (XXH3-128; SHA-256 beside it), and the same shards written and fsynced as
+    DCP writes them (around the page cache) with and without hashing on the way out, and
+    through the page cache, in turn, with the kernel CPU each write costs; the fastest of a
+    few repeats each.
 
 Prints one line per result and writes bench/results/checkpoint.json (a run of some parts keeps
 the other parts' last results); exits 1 when any target is missed.
@@ -325,17 +326,21 @@ def counted_checkpoint_reads(root: str):
         fsspec.AbstractFileSystem.open, builtins.open, io.open = saved
 
 
-def _write_shards(directory: Path, total: int, block: bytes, hashed: bool) -> tuple[dict, float]:
+def _write_shards(
+    directory: Path, total: int, block: bytes, hashed: bool, direct: bool = True
+) -> tuple[dict, float, float]:
     """RANKS shard files of `total` bytes in all, written and fsynced one after another as a
-    rank's DCP writer writes them, hashed on the way out or not; returns ({name: (size,
-    checksum)} when hashed, seconds)."""
+    rank's DCP writer writes them (around the page cache, `checkpoint/direct_io.py`; or, with
+    `direct=False`, through it), hashed on the way out or not; returns ({name: (size,
+    checksum)} when hashed, seconds, kernel CPU seconds)."""
     from raytrain_dt.checkpoint.digests import HashingStream
+    from raytrain_dt.checkpoint.direct_io import open_for_writing
 
-    digests, seconds = {}, 0.0
+    digests, seconds, kernel = {}, 0.0, 0.0
     for rank in range(RANKS):
         name = f"__{rank}_0.distcp"
-        started = time.perf_counter()
-        with open(directory / name, "wb") as raw:
+        started, cpu = time.perf_counter(), os.times().system
+        with open_for_writing(directory / name) if direct else open(directory / name, "wb") as raw:
             stream = HashingStream(raw) if hashed else raw
             view, left = memoryview(block), total // RANKS
             while left > 0:
@@ -344,9 +349,10 @@ def _write_shards(directory: Path, total: int, block: bytes, hashed: bool) -> tu
             raw.flush()
             os.fsync(raw.fileno())
         seconds += time.perf_counter() - started
+        kernel += os.times().system - cpu
         if hashed:
             digests[name] = (stream.size, stream.hexdigest())
-    return digests, seconds
+    return digests, seconds, kernel
 
 
 def _write_rank_files(step_dir: Path, total: int, block: bytes) -> dict[int, dict]:
@@ -354,7 +360,7 @@ def _write_rank_files(step_dir: Path, total: int, block: bytes) -> dict[int, dic
     from raytrain_dt.checkpoint.digests import FileDigests
 
     (step_dir / "rng").mkdir(parents=True)
-    shards, _ = _write_shards(step_dir, total, block, hashed=True)
+    shards, _, _ = _write_shards(step_dir, total, block, hashed=True)
     reports = {}
     for rank in range(RANKS):
         written = FileDigests()
@@ -378,14 +384,17 @@ def bench_hashing(scratch: Path, block: bytes, repeats: int, sizes: dict) -> lis
 
     cases = []
     for label, total in sizes.items():
-        plain, hashed = [], []
+        plain, hashed, cached = [], [], []  # (seconds, kernel CPU seconds) per write
         alone: dict[str, list[float]] = {DIGEST: [], "sha256": []}
         probe = scratch / "hashing"
         for _ in range(repeats):
-            for kind, times in (("plain", plain), ("hashed", hashed)):
+            for kind, times in (("plain", plain), ("hashed", hashed), ("cached", cached)):
                 probe.mkdir()
                 os.sync()  # each write starts with nothing of the previous one to write back
-                times.append(_write_shards(probe, total, block, hashed=kind == "hashed")[1])
+                _, seconds, kernel = _write_shards(
+                    probe, total, block, hashed=kind == "hashed", direct=kind != "cached"
+                )
+                times.append((seconds, kernel))
                 shutil.rmtree(probe)
             for algorithm, times in alone.items():
                 digest, started = HASHERS[algorithm](), time.perf_counter()
@@ -398,15 +407,21 @@ def bench_hashing(scratch: Path, block: bytes, repeats: int, sizes: dict) -> lis
             "repeats": repeats,
             f"{DIGEST}_MBps": round(mb / min(alone[DIGEST])),
             "sha256_MBps": round(mb / min(alone["sha256"])),
-            "plain_write_MBps": round(mb / min(plain)),
-            "hashed_write_MBps": round(mb / min(hashed)),
-            "hashed_over_plain_write_time": round(min(hashed) / min(plain), 2),
+            "plain_write_MBps": round(mb / min(plain)[0]),
+            "hashed_write_MBps": round(mb / min(hashed)[0]),
+            "hashed_over_plain_write_time": round(min(hashed)[0] / min(plain)[0], 2),
+            "kernel_cpu_s_per_GB_direct": round(min(k for _, k in plain) / mb * 1e3, 3),
+            "page_cache_write_MBps": round(mb / min(cached)[0]),
+            "kernel_cpu_s_per_GB_page_cache": round(min(k for _, k in cached) / mb * 1e3, 3),
         }
         cases.append(case)
         print(
             f"ranks' write of {label}: {case['plain_write_MBps']} MB/s plain, "
             f"{case['hashed_write_MBps']} MB/s hashed ({DIGEST} alone "
-            f"{case[f'{DIGEST}_MBps']} MB/s, sha256 {case['sha256_MBps']} MB/s), best of {repeats}"
+            f"{case[f'{DIGEST}_MBps']} MB/s, sha256 {case['sha256_MBps']} MB/s); kernel CPU "
+            f"{case['kernel_cpu_s_per_GB_direct']} s/GB direct, "
+            f"{case['kernel_cpu_s_per_GB_page_cache']} s/GB through the page cache "
+            f"({case['page_cache_write_MBps']} MB/s); best of {repeats}"
         )
     return cases
 
@@ -477,9 +492,10 @@ COMMIT_TABLE = (
     "smallest, 0 checkpoint bytes read)"
 )
 HASHING_TABLE = (
-    "Ranks' checksum (XXH3-128) while writing: the same shards written and fsynced one after "
-    "another (as DCP writes them), hashed on the way out or not; fastest of the "
-    "repeats"
+    "Ranks' writes: the same shards written and fsynced one after another as DCP writes them "
+    "(around the page cache), hashed on the way out (XXH3-128) or not, and written through "
+    "the page cache for comparison (its kernel CPU with free memory; once the cache is full, "
+    "reclaim adds to it); fastest of the repeats"
 )
 
 

@@ -1,16 +1,18 @@
 """The CPU priority of a checkpoint's background work.
 
-An async save's write (serialisation, checksums, the page cache's copy, fsync) and an
-in-memory copy's hand-off run on threads of their own while training goes on. On a GPU host
-those threads find idle cores; where training keeps every core busy (CPU ranks, or a host whose
-cores all feed input pipelines) each of their cycles is taken from a training thread, and the
-background save costs about what a synchronous one does. So these threads run at Linux's
-`SCHED_IDLE`: they take the cycles training leaves (its waits in collectives, for input, for
-the GPU) and yield a core to training at once. A save still in flight when the next one is due
-is waited for (`RankCheckpointer.save`), and while training waits nothing else wants the core:
-the write then runs at full speed, so idle priority can delay a save but never starve it.
+An async save's write (serialisation, checksums, the device's writes, fsync) runs on a thread
+of its own while training goes on. On a GPU host that thread finds idle cores; where training
+keeps every core busy (CPU ranks, or a host whose cores all feed input pipelines) each of its
+cycles is taken from a training thread, and the background save costs about what a synchronous
+one does. So the write runs at Linux's `SCHED_IDLE`: it takes the cycles training leaves (its
+waits in collectives, for input, for the GPU) and yields a core to training at once. A save
+still in flight when the next one is due is waited for (`RankCheckpointer.save`), and while
+training waits nothing else wants the core: the write then runs at full speed, so idle priority
+can delay a save but never starve it.
 
 Not the staging copy: the next optimizer step waits for it, so it keeps training's priority.
+Not, so far, the in-memory copies' hand-off: a copy still in flight at the next boundary is a
+skipped copy, and what idle priority would do to the steps lost on a failure is not measured.
 """
 
 from __future__ import annotations

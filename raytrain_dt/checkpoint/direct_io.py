@@ -6,15 +6,15 @@ failure. Written through the page cache they cost the host's CPU twice over: the
 every byte into a cache page, and once the cache is full (a host that saves every few minutes
 fills it within the hour) each new page must first be reclaimed from the old ones, in the
 writer's own time. Measured here for 352 MB (one rank's share of `bench_checkpoint`'s model):
-0.7-0.9 s of kernel CPU once the cache is full, against 0.03 s with `O_DIRECT`
-(`docs/benchmarks.md`). On a training host that CPU is taken from the ranks; DeepSpeed's
+0.7-0.9 s of kernel CPU once the cache is full, against 0.03 s with `O_DIRECT` (the
+ranks' write table of `bench/bench_checkpoint.py` has both, with free memory). On a training host that CPU is taken from the ranks; DeepSpeed's
 FastPersist writes with `O_DIRECT` for the same reason.
 
 `O_DIRECT` needs aligned memory, offsets and lengths. `DirectFile` gathers writes into one
 page-aligned block and writes whole blocks; at close it writes the tail padded to the
 alignment, truncates the file to its true length and syncs it (the data and the size). Where
-the filesystem refuses `O_DIRECT` (tmpfs, some FUSE mounts) the file is an ordinary buffered
-one: the same bytes, at the page cache's cost.
+the filesystem refuses `O_DIRECT` (tmpfs before Linux 6.6, some FUSE mounts) the file is an
+ordinary buffered one: the same bytes, at the page cache's cost. Reads are unchanged.
 """
 
 from __future__ import annotations

@@ -5,9 +5,10 @@ Sources: parquet, JSONL and text files (a file, a directory or a glob), a Huggin
 reads the source and runs the tokenize map in parallel; one packing task on the driver's node
 iterates the result *in order* (`preserve_order`), appends a separator after each document
 (built-in tokenizers) and cuts the stream into `seq_len` rows, written as the same parquet
-parts `prepare-data` writes. Sample id = row number of that frozen file, so the global order (`data.order`), the
-per-DP-rank slices and the resume position apply unchanged: exactly-once and resizes hold for
-user data because they only ever see a fixed, numbered set of samples (docs/design.md).
+parts `prepare-data` writes. Sample id = row number of that frozen file, so the global order
+(`data.order`), the per-DP-rank slices and the resume position apply unchanged: exactly-once
+and resizes hold for user data because they only ever see a fixed, numbered set of samples
+(docs/design.md).
 
 The result is cached under `data.cache_dir` in a directory named by a hash: of the source's
 files (paths, sizes, modification times) and the settings, for path sources, so a restarted
