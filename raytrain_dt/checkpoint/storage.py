@@ -81,6 +81,12 @@ class Location:
         self.fs.makedirs(self.path, exist_ok=True)
 
 
+# Off: at idle priority on a loaded 2-core host, an async save was still in flight when a node
+# was lost (`tests/ray/test_sim_validation.py`: the run resumed from the save before it), which
+# the simulator does not model. Kept as a switch until that trade is measured.
+BACKGROUND_AT_IDLE_PRIORITY = False
+
+
 def dcp_writer(uri: str, digests=None, background: bool = False):
     """DCP's writer for `uri`; with `digests` (a `digests.FileDigests`), every file it writes
     is hashed as it is written and recorded there. `background`: an async save's, whose
@@ -100,7 +106,7 @@ def dcp_writer(uri: str, digests=None, background: bool = False):
         writer = FsspecWriter(uri)
     if digests is not None:
         writer.fs = DigestingFileSystem(writer, digests)
-    if background:  # DCP calls write_data on its upload thread, a new one per async save
+    if background and BACKGROUND_AT_IDLE_PRIORITY:  # DCP's upload thread, one per async save
         writer.write_data = in_background(writer.write_data)
     return writer
 
