@@ -10,7 +10,10 @@ still in flight when the next one is due is waited for (`RankCheckpointer.save`)
 training waits nothing else wants the core: the write then runs at full speed, so idle priority
 can delay a save but never starve it.
 
-Not the staging copy: the next optimizer step waits for it, so it keeps training's priority.
+It is off for now (`storage.BACKGROUND_AT_IDLE_PRIORITY`): on this project's loaded 2-core
+CI host a save at idle priority was still being written when a node was lost a few steps
+later, so the run resumed from the save before it; what that trade costs has not been
+measured. The staging copy never runs here: the next optimizer step waits for it.
 Not, so far, the in-memory copies' hand-off: a copy still in flight at the next boundary is a
 skipped copy, and what idle priority would do to the steps lost on a failure is not measured.
 """
