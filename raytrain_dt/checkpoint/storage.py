@@ -81,20 +81,12 @@ class Location:
         self.fs.makedirs(self.path, exist_ok=True)
 
 
-# Off: at idle priority on a loaded 2-core host, an async save was still in flight when a node
-# was lost (`tests/ray/test_sim_validation.py`: the run resumed from the save before it), which
-# the simulator does not model. Kept as a switch until that trade is measured.
-BACKGROUND_AT_IDLE_PRIORITY = False
-
-
-def dcp_writer(uri: str, digests=None, background: bool = False):
+def dcp_writer(uri: str, digests=None):
     """DCP's writer for `uri`; with `digests` (a `digests.FileDigests`), every file it writes
-    is hashed as it is written and recorded there. `background`: an async save's, whose
-    writing runs at idle CPU priority (`checkpoint/background.py`)."""
+    is hashed as it is written and recorded there."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    from raytrain_dt.checkpoint.background import in_background
     from raytrain_dt.checkpoint.digests import DigestingFileSystem
     from raytrain_dt.checkpoint.direct_io import DirectFileSystem
 
@@ -106,8 +98,6 @@ def dcp_writer(uri: str, digests=None, background: bool = False):
         writer = FsspecWriter(uri)
     if digests is not None:
         writer.fs = DigestingFileSystem(writer, digests)
-    if background and BACKGROUND_AT_IDLE_PRIORITY:  # DCP's upload thread, one per async save
-        writer.write_data = in_background(writer.write_data)
     return writer
 
 

@@ -287,7 +287,7 @@ class FSDP2Engine:
         model_sd, optim_sd = self._state_dicts()
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests, background=True),
+            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
             process_group=process_group,
             async_stager=self._stager,
         )

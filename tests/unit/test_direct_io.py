@@ -1,21 +1,18 @@
 """Checkpoint files written around the page cache (`checkpoint/direct_io.py`) hold exactly the
 bytes written, whatever their sizes against the alignment and the block; a filesystem without
 `O_DIRECT` gets an ordinary file with the same bytes; a DCP save through them reloads equal and
-verifies; and an async save's writing runs at idle CPU priority (`checkpoint/background.py`),
-on its own thread only."""
+verifies."""
 
 from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
 from raytrain_dt.checkpoint import direct_io
-from raytrain_dt.checkpoint.background import in_background, lower_this_thread
 from raytrain_dt.checkpoint.digests import FileDigests, verify_files
 from raytrain_dt.checkpoint.direct_io import ALIGN, BLOCK, DirectFile, open_for_writing
 from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
@@ -82,27 +79,3 @@ def test_a_dcp_save_written_direct_reloads_equal_and_verifies(tmp_path):
     dcp.load(loaded, storage_reader=dcp_reader(uri), no_dist=True)
     for key, tensor in state.items():
         assert torch.equal(loaded[key], tensor), key
-
-
-def test_background_writing_runs_at_idle_priority_on_its_own_thread_only():
-    seen = {}
-
-    def write():
-        seen["policy"] = os.sched_getscheduler(0)
-
-    worker = threading.Thread(target=in_background(write))
-    worker.start()
-    worker.join()
-    assert seen["policy"] == os.SCHED_IDLE
-    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # the caller's thread is untouched
-
-    def nested():  # a thread the lowered one starts is lowered too (DCP's writer threads)
-        lower_this_thread()
-        inner = threading.Thread(target=lambda: seen.update(inner=os.sched_getscheduler(0)))
-        inner.start()
-        inner.join()
-
-    worker = threading.Thread(target=nested)
-    worker.start()
-    worker.join()
-    assert seen["inner"] == os.SCHED_IDLE
