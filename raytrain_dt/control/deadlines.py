@@ -15,6 +15,11 @@ drain may take, how long a formation may take.
   SAVE_FIXED_S for what does not scale (planning, metadata, the commit).
 - **Drain** (checkpoint at the next step boundary, then stop): the step in progress, a save
   still in flight, and its own save.
+- **Leave** (a survivor told to leave its layout): its loop reaches the next step boundary, or,
+  blocked in a collective with a dead peer, returns once its communicators are aborted: the p99
+  step interval (until one is measured, the planned step times FIRST_STEP_WARMUP), at least
+  LEAVE_FLOOR_S. A fixed grace would drop a healthy survivor whose step is longer (a loaded
+  host, a large model) and replace it with an actor that must load.
 - **Formation** (placement, actor start, process group, build, load): `elastic.
   formation_timeout_s`, plus reading the checkpoint it resumes from at the write rate.
 
@@ -34,6 +39,7 @@ FIRST_STEP_WARMUP = 2.0
 RATE_WINDOW = 5  # commits whose write rates are remembered
 SAVE_HEADROOM = 3.0
 SAVE_FIXED_S = 10.0
+LEAVE_FLOOR_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -159,6 +165,19 @@ class Deadlines:
                 f"{bound.detail} + a save in flight {save.seconds:.1f}s",
             )
         return bound
+
+    def leave_bound(self) -> Bound:
+        """How long a rank's loop may take to end once told to leave its layout."""
+        if self.intervals:
+            step, detail = p99(list(self.intervals)), "p99 step"
+        elif self.predicted_step_s is not None:
+            step = FIRST_STEP_WARMUP * self.predicted_step_s
+            detail = f"{FIRST_STEP_WARMUP:g} x planned step"
+        else:
+            step, detail = 0.0, "no step measured"
+        if step < LEAVE_FLOOR_S:
+            return Bound(LEAVE_FLOOR_S, "leave", f"{LEAVE_FLOOR_S:g}s floor ({detail} {step:.2f}s)")
+        return Bound(step, "leave", f"{detail} {step:.2f}s")
 
     def write_rate(self) -> tuple[float, str]:
         """Bytes/s one rank writes (or reads) its share at, and where the figure comes from."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.control.cluster import ClusterView
 from raytrain_dt.control.copy_holders import CopyHolders, live_actors
-from raytrain_dt.control.deadlines import Bound, Deadlines
+from raytrain_dt.control.deadlines import LEAVE_FLOOR_S, Bound, Deadlines
 from raytrain_dt.control.group import NODE_DIED, FormationFault, PlacementTimedOut, RankGroupLike
 from raytrain_dt.control.node_chaos import Chaos
 from raytrain_dt.control.run_state import RunState
@@ -28,9 +28,9 @@ from raytrain_dt.worker.reports import RankStatus
 log = logging.getLogger("raytrain_dt.control.coordinator")
 
 POLL_INTERVAL_S = 0.1
-# After a failure, how long a survivor's loop may take to return once every peer whose loop
-# ended has closed its connections (a collective waiting on one of them then raises at once).
-FAILED_TEARDOWN_GRACE_S = 2.0
+# What a teardown call may take beyond its ranks' loops: a save in flight finishing (5 s in
+# `RankWorker.teardown`) and the layout's release.
+TEARDOWN_FIXED_S = 30.0
 
 
 @dataclass
@@ -48,23 +48,29 @@ class Recovery:
     # The steps of the durable saves still in flight (the formed layout's checkpoint tracker).
     saves_in_flight: Callable[[], set[int]] = set
 
-    def leave_layout(
-        self, grace_s: float = 2.0, ended: list[int] | None = None, keep_save: bool = True
-    ) -> None:
+    def leave_layout(self, ended: list[int] | None = None, keep_save: bool = True) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports
         of saves that finished meanwhile (they decide what is committed), and let go of the
-        actors that cannot be reused (hung or dead). `grace_s`: how long a rank's loop may
-        take to end (a healthy one: to its next step boundary). `ended`: ranks whose loop has
-        ended (failed): they leave first, closing their connections, so that a survivor
-        blocked in a collective waiting on one of them returns (gloo cannot be aborted; a
-        closed connection ends its wait at once) and is kept. `keep_save` False: a durable
-        save in flight is abandoned, not waited for (`_drop_dead_then_leave`)."""
+        actors that cannot be reused (hung or dead). `ended`: ranks whose loop has ended
+        (failed): they leave first, closing their connections, so that a survivor blocked in
+        a collective waiting on one of them returns (gloo cannot be aborted; a closed
+        connection ends its wait at once) and is kept. `keep_save` False: a durable save in
+        flight is abandoned, not waited for (`_drop_dead_then_leave`)."""
+        # A loop still running after LEAVE_FLOOR_S is blocked (in a collective with a dead or
+        # hung peer) or mid-step: its communicators are aborted, and it has a step to return
+        # (`Deadlines.leave_bound`), so a survivor of a slow step is kept, not replaced as stuck.
+        grace_s, return_s = LEAVE_FLOOR_S, self.deadlines.leave_bound().seconds
+        # The teardown call's own bound: the loop's grace, a set-up's, the aborted loop's
+        # return, a save in flight (`RankWorker.teardown`), and the freeing.
+        timeout_s = TEARDOWN_FIXED_S + 2 * grace_s + return_s
+        ended = ended or []
+        rest = [r for r in range(self.group.world_size) if r not in ended]
         broken = []
-        if ended:
-            broken = self.group.teardown(grace_s, timeout_s=30, ranks=ended, keep_save=keep_save)
-        rest = [r for r in range(self.group.world_size) if r not in (ended or [])]
-        if rest:
-            broken += self.group.teardown(grace_s, timeout_s=30, ranks=rest, keep_save=keep_save)
+        for ranks in (ended, rest):
+            if ranks:
+                broken += self.group.teardown(
+                    grace_s, timeout_s, ranks=ranks, keep_save=keep_save, return_s=return_s
+                )
         self.absorb(self.group.poll())
         self.group.drop(sorted(broken))
         self.run.group_left = True
@@ -172,7 +178,7 @@ class Recovery:
             log.info(
                 "saves in flight %s abandoned: newer in-memory copies survive", sorted(in_flight)
             )
-        self.leave_layout(grace_s=FAILED_TEARDOWN_GRACE_S, ended=ended, keep_save=not superseded)
+        self.leave_layout(ended=ended, keep_save=not superseded)
 
     def settle(
         self, broken: list[RankStatus], wait_s: float = 5.0, quiet_s: float = 0.3

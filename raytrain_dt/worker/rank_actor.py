@@ -72,9 +72,11 @@ from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 
 log = logging.getLogger("raytrain_dt.rank")
 
-# How long an aborted collective may take to raise in the training thread before the actor is
-# given up. A survivor given up takes its in-memory copies (its own and a peer's) with it, and
-# a replacement costs a process start: seconds; on a loaded host the abort takes over 0.2 s.
+# The least time an aborted collective may take to raise in the training thread and the
+# thread to return before the actor is given up (the coordinator gives a step: `Deadlines.
+# leave_bound`). A survivor given up takes its in-memory copies (its own and a peer's) with it,
+# and a replacement costs a process start and a load: seconds; on a loaded host the abort
+# alone takes over 0.2 s.
 ABORTED_COLLECTIVE_GRACE_S = 2.0
 
 # What `ray.remote` makes the actor class with: copies are held and read beside set-up, and
@@ -447,14 +449,20 @@ class RankWorker:
             wait([self._training], timeout=timeout_s)
 
     def teardown(
-        self, grace_s: float = 2.0, keep_save: bool = True, save_grace_s: float = 5.0
+        self,
+        grace_s: float = 2.0,
+        keep_save: bool = True,
+        return_s: float = ABORTED_COLLECTIVE_GRACE_S,
+        save_grace_s: float = 5.0,
     ) -> bool:
         """Leave the current layout: end the loop (or a set-up still joining its peers), let a
         save in flight finish (for at most `save_grace_s`: its outcome stays queued for the
         coordinator's next poll, which decides whether that checkpoint commits; with
         `keep_save` False it is abandoned at once: the resume needs it not), free model
         and data, destroy the process group. The actor (and its imported torch) stays for the
-        next layout. Returns False when the torch thread is stuck (in a collective with a dead
+        next layout. `return_s`: how long the torch thread may take to return once its
+        communicators are aborted (the rest of its step: it raises at its next collective).
+        Returns False when the torch thread is stuck (in a collective with a dead
         or hung peer): such an actor cannot be reused and the coordinator replaces it.
         Runs in the control concurrency group, beside a set-up that may be waiting."""
         self.stop(grace_s)  # `_stop` also ends a set-up's wait for its peers (`join_store`)
@@ -478,14 +486,14 @@ class RankWorker:
             # raise in the torch thread, as torchft does, and wait for the thread once more.
             where = where_thread_is(self._torch_thread_id)
             abort_process_groups()
-            grace_s = max(grace_s, ABORTED_COLLECTIVE_GRACE_S)
-            wait(busy, timeout=grace_s)
+            return_s = max(return_s, ABORTED_COLLECTIVE_GRACE_S)
+            wait(busy, timeout=return_s)
             if any(not f.done() for f in busy):
                 log.warning(
                     "rank %s: torch thread still busy %.1fs after aborting its "
                     "groups; not reusable. It is at:\n%s",
                     self.spec.rank if self.spec else "?",
-                    grace_s,
+                    return_s,
                     where,
                 )
                 return False

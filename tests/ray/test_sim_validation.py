@@ -9,6 +9,7 @@ The test changes the shared cluster's nodes and puts it back as it found it.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -43,6 +44,25 @@ def _real_run(make_config, cluster, run_dir):
     return cfg, nodes, result, read_jsonl(f"{result.run_dir}/events.jsonl")
 
 
+def _story(run_dir) -> str:
+    """What the real run did, a line per decision, failure and formation (with the actors it
+    kept and started), and what its log warned: so that a failed comparison says why."""
+    lines = []
+    for e in read_jsonl(f"{run_dir}/events.jsonl"):
+        if e["event"] in ("start", "resize"):
+            world = e["new_layout"]["dims"]["world_size"]
+            lines.append(
+                f"{e['event']} world {world} at step {e['resumed_step']}: kept "
+                f"{e.get('kept_actors')} new {e.get('new_actors')} ({e['reason']})"
+            )
+        elif e["event"] in ("decision", "failure", "placement_timeout", "rewind"):
+            detail = {k: v for k, v in e.items() if k not in ("time", "event")}
+            lines.append(f"{e['event']} {detail}")
+    logs = [Path(run_dir, "train.log"), *sorted(Path(run_dir, "logs").glob("*.log"))]
+    warnings = [ln for log in logs for ln in log.read_text().splitlines() if " WARNING " in ln]
+    return "\n".join(lines + [ln[:300] for ln in warnings])
+
+
 def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_path):
     cfg, nodes, result, events = _real_run(make_config, restore_nodes, tmp_path / "run")
     memory = min(n.memory_bytes for n in nodes)
@@ -58,8 +78,9 @@ def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_pa
     )
 
     # The decisions: the same layouts, in the same order (4 ranks, 2 after the loss, 4 again).
-    assert [f["layout"] for f in sim.formations] == real_layouts
-    assert [f["world"] for f in sim.formations] == [4, 2, 4]
+    story = _story(result.run_dir)
+    assert [f["world"] for f in sim.formations] == [4, 2, 4], story
+    assert [f["layout"] for f in sim.formations] == real_layouts, story
 
     # The timeline from the failure on: when each later formation was formed, and the end. The
     # steps before it are not compared: on 2 shared cores the first steps vary 0.5-5 s (the first
@@ -130,8 +151,9 @@ def test_simulator_replays_a_real_preemption_with_notice(restore_nodes, make_con
         cfg.checkpoint.every_steps,
         total_steps=cfg.trainer.steps,
     )
-    assert [f["layout"] for f in sim.formations] == real_layouts
-    assert [f["world"] for f in sim.formations] == [4, 2]
+    story = _story(result.run_dir)
+    assert [f["layout"] for f in sim.formations] == real_layouts, story
+    assert [f["world"] for f in sim.formations] == [4, 2], story
     assert (sim.steps_lost, sim.drains, sim.failures, sim.steps) == (0, 1, 0, cfg.trainer.steps)
 
     # From the notice on: when the shrunk group formed, and the end.

@@ -1,6 +1,7 @@
 """Deadlines: the hang bound (the floor, the p99 of a rolling window, the planner's estimate
 before the first steps, a save in flight), the save and drain bounds from the checkpoint's
-size and the write rate, the formation bound, and the defaults against a 5-minute step."""
+size and the write rate, the formation bound, the leave bound (a survivor's step), and the
+defaults against a 5-minute step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import pytest
 from raytrain_dt.config.schema import TrainConfig, validate
 from raytrain_dt.control.deadlines import (
     FIRST_STEP_WARMUP,
+    LEAVE_FLOOR_S,
     SAVE_FIXED_S,
     SAVE_HEADROOM,
     STEP_WINDOW,
@@ -54,6 +56,23 @@ def test_fast_steps_are_held_to_the_floor() -> None:
     bound = d.hang_bound()
     assert (bound.seconds, bound.basis) == (60.0, "hang_timeout_s")
     assert "p99 step 0.50s" in bound.detail
+
+
+def test_a_survivor_has_a_step_to_leave_its_layout() -> None:
+    """A loop told to leave ends at its next step boundary: it is given the p99 step (the
+    planned first step before one is measured), never less than the floor. A fixed grace would
+    drop a healthy survivor of a slow step as stuck."""
+    d = _deadlines()
+    assert (d.leave_bound().seconds, d.leave_bound().basis) == (LEAVE_FLOOR_S, "leave")
+    d.formed(predicted_step_s=4.0, setup_s=2.0, world_size=8, checkpoint_bytes=1 * GB)
+    assert d.leave_bound().seconds == pytest.approx(FIRST_STEP_WARMUP * 4.0)
+    _steps(d, [0.1] * 20)
+    assert d.leave_bound().seconds == LEAVE_FLOOR_S  # fast steps: the floor
+    _steps(d, [0.1] * 90 + [7.0] * 10, start=None)
+    bound = d.leave_bound()
+    assert bound.seconds == pytest.approx(7.0) and "p99 step 7.00s" in bound.detail
+    d.formed(predicted_step_s=None, setup_s=2.0, world_size=8, checkpoint_bytes=1 * GB)
+    assert d.leave_bound().seconds == LEAVE_FLOOR_S  # a new layout is timed afresh
 
 
 def test_slow_steps_get_a_multiple_of_their_p99() -> None:
