@@ -101,7 +101,7 @@ class RankGroupLike(Protocol):
         timeout_s: float = 30.0,
         ranks: list[int] | None = None,
         keep_save: bool = True,
-        return_s: float = 2.0,
+        return_s: float = 0.0,
     ) -> list[int]: ...
 
     def drop(self, ranks: list[int]) -> None: ...

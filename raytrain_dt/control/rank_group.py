@@ -313,11 +313,12 @@ class RankGroup:
         timeout_s: float = 30.0,
         ranks: list[int] | None = None,
         keep_save: bool = True,
-        return_s: float = 2.0,
+        return_s: float = 0.0,
     ) -> list[int]:
         """Every rank (or these `ranks`) leaves its layout (`RankWorker.teardown`; `keep_save`
         False: a durable save in flight is abandoned; `return_s`: for a loop whose collectives
-        were aborted to return); the ranks that cannot be reused (stuck, dead or silent)."""
+        were aborted to return, at least the actor's own floor); the ranks that cannot be
+        reused (stuck, dead or silent)."""
         args = (grace_s, keep_save, return_s)
         return self._try_call_all("teardown", timeout_s, args, ranks, CONTROL_GROUP)
 

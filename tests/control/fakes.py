@@ -158,7 +158,7 @@ class FakeRankGroup:
         timeout_s: float = 30.0,
         ranks: list[int] | None = None,
         keep_save: bool = True,
-        return_s: float = 2.0,
+        return_s: float = 0.0,
     ) -> list[int]:
         self.torn_down.append(ranks)
         return []
