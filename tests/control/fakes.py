@@ -81,6 +81,11 @@ class FakeRankGroup:
         # The next `form` finds no room on this node within the placement time-out.
         self.placement_times_out_on: str | None = None
         self.torn_down: list[list[int] | None] = []  # the ranks of each `teardown` call
+        # Each `teardown` call's (grace before the abort, time to return after it).
+        self.teardown_times: list[tuple[float, float]] = []
+        # Seconds between the steps' reported finishing times (None: the wall clock's).
+        self.step_s: float | None = None
+        self._step_clock = time.time()
         self.set_up = False  # the formed layout's set-up succeeded: its ranks train
         self._stop_requested = False
         self.verified: list[set[str]] = []  # the files checked before each formation
@@ -161,6 +166,7 @@ class FakeRankGroup:
         return_s: float = 0.0,
     ) -> list[int]:
         self.torn_down.append(ranks)
+        self.teardown_times.append((grace_s, return_s))
         return []
 
     def request_checkpoint_and_stop(
@@ -250,10 +256,12 @@ class FakeRankGroup:
                 data_wait_s=0.0,
                 tokens_per_s=100.0,
             )
+        if rank == 0 and self.step_s is not None:
+            self._step_clock += self.step_s
         return StepReport(
             self.step,
             self.consumed,
-            finished_at=time.time(),
+            finished_at=time.time() if self.step_s is None else self._step_clock,
             mem_allocated_bytes=1,
             mem_peak_bytes=1,
             metrics=metrics,

@@ -218,6 +218,20 @@ def test_a_rank_death_keeps_every_survivor_and_tears_the_failed_down_first(start
     assert resize["reform_s"] >= resize["teardown_s"] > 0
 
 
+def test_survivors_of_slow_steps_have_a_step_to_leave(start):
+    """Steps of 7 s (a large model's): a survivor told to leave after a rank death gets 2 s to
+    reach its step boundary, then its communicators are aborted and it has the measured step
+    (the p99 of the layout's intervals) to return before it is given up as stuck, not a fixed
+    2 s: a survivor mid-step is kept, with its in-memory copies."""
+    coordinator, _, group = start(("a", "b"))
+    group.step_s = 7.0
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    group.kill_rank(1)
+    assert isinstance(coordinator.advance(), Restarting)
+    assert group.teardown_times == [(2.0, pytest.approx(7.0))]
+
+
 @pytest.mark.parametrize("survivor_raises_first", [False, True])
 def test_a_node_lost_while_forming_is_re_planned_not_raised(start, survivor_raises_first):
     """A node dies while the group re-forms after a rank death (its actors die in set-up):

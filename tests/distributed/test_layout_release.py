@@ -6,7 +6,8 @@ actor's own `_release_layout`. Every group the mesh created must then be gone: a
 keeps its gloo connections open, so a peer blocked in a collective with a failed rank waits out
 the collective timeout instead of failing at once, and every re-formation leaks sockets and
 threads (DTensor's redistribute-planner cache held the meshes until `forget_layout_caches`
-cleared it).
+cleared it). And a rank still mid-step when told to leave is kept when given its step to
+return, not given up as stuck after a fixed grace.
 """
 
 from __future__ import annotations
@@ -103,3 +104,44 @@ def test_release_frees_the_layouts_process_groups(token_data, tmp_path):
     for rank, created, alive in results:
         assert created >= 3, (rank, created)  # the mesh's dimension and flattened groups
         assert alive == 0, f"rank {rank}: {alive} of {created} process groups outlived teardown"
+
+
+STEP_S = 5.0  # a step still computing when its rank is told to leave (well past the floor)
+
+
+def _leave_mid_step(run_dir: str, out) -> None:
+    try:
+        import time
+
+        from raytrain_dt.worker.rank_actor import ABORTED_COLLECTIVE_GRACE_S, RankWorker
+
+        assert STEP_S > ABORTED_COLLECTIVE_GRACE_S + 2.5  # a slow wake-up stays within it
+        worker = RankWorker(run_dir, 0)
+        worker._torch_thread.submit(lambda: None).result()  # its lazy imports done
+        answers = []
+        for return_s in (0.0, 2 * STEP_S):  # the floor alone; a measured step
+            worker._training = worker._torch_thread.submit(time.sleep, STEP_S)
+            answers.append(worker.teardown(grace_s=0.2, return_s=return_s))
+            worker._training.result()  # a step given up on still ends; the next case starts idle
+            worker._stop.clear()
+        out.put(answers)
+    except BaseException:
+        import traceback
+
+        out.put(traceback.format_exc())
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_mid_step_is_kept_when_its_step_is_given(tmp_path):
+    """`RankWorker.teardown` gives a loop still running after `grace_s` (aborted: no process
+    group here) `return_s` to return: a rank 3 s into a step is given up as stuck with the
+    2 s floor alone, and kept (its actor reusable) when given the measured step, as the
+    coordinator gives it (`Deadlines.leave_bound`). In a process of its own: the actor
+    installs a SIGTERM route and a log handler."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    proc = ctx.Process(target=_leave_mid_step, args=(str(tmp_path), out))
+    proc.start()
+    answers = out.get(timeout=100)
+    proc.join(timeout=30)
+    assert answers == [False, True], answers
