@@ -134,7 +134,7 @@ def _leave_mid_step(run_dir: str, out) -> None:
 @pytest.mark.timeout(120)
 def test_a_rank_mid_step_is_kept_when_its_step_is_given(tmp_path):
     """`RankWorker.teardown` gives a loop still running after `grace_s` (aborted: no process
-    group here) `return_s` to return: a rank 3 s into a step is given up as stuck with the
+    group here) `return_s` to return: a rank whose step runs 5 s is given up as stuck with the
     2 s floor alone, and kept (its actor reusable) when given the measured step, as the
     coordinator gives it (`Deadlines.leave_bound`). In a process of its own: the actor
     installs a SIGTERM route and a log handler."""
