@@ -52,6 +52,7 @@ import io
 import json
 import os
 import platform
+import shlex
 import shutil
 import socket
 import statistics
@@ -632,7 +633,8 @@ def main() -> int:
             ]
     record = {
         "title": "Checkpoint costs",
-        "command": "python bench/bench_checkpoint.py",
+        # As run; a run of some parts says when the parts it kept were measured.
+        "command": shlex.join(["python", "bench/bench_checkpoint.py", *sys.argv[1:]]),
         "target": f"a checkpoint every N steps costs an async save <= {OVERHEAD_TARGET:.0%} of "
         f"the N steps' time without one, at an N where a synchronous save is >= "
         f"{SYNC_SHARE_MIN:.0%} of its window (the slowdown of the steps that overlap the "
@@ -645,6 +647,11 @@ def main() -> int:
         "cpus": os.cpu_count(),
         "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         "notes": f"1-min load average at the end {os.getloadavg()[0]:.1f}"
+        + "".join(
+            f"; the {part} part kept from the run of {previous.get('measured_at', '?')}"
+            for part in sorted({"save", "commit"} - parts)
+            if previous
+        )
         + (
             "; SMOKE RUN (--smoke): tiny model and sizes, figures mean nothing"
             if args.smoke
