@@ -14,7 +14,9 @@ The result is cached under `data.cache_dir` in a directory named by a hash: of t
 files (paths, sizes, modification times) and the settings, for path sources, so a restarted
 driver or a resubmitted job reuses it without tokenizing again; of the packed tokens themselves
 for Ray Dataset objects, whose origin cannot be named. A directory appears only complete (it is
-written under a temporary name and renamed).
+written under a temporary name and renamed). The temporary name holds the packer's host and
+process id, so a packing that died (its worker killed, its node lost) is cleaned up by the next
+packing on that host: its partial parts can be as large as the dataset.
 
 The packing runs in a Ray task, not in the driver: the task owns Ray Data's tasks, so a crash of
 Ray's core while it consumes them (a cancelled task's reply racing its cancellation,
@@ -31,6 +33,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
@@ -256,6 +259,34 @@ def pack(ds, settings: PackSettings, out: Path, separator: int | None) -> dict:
     }
 
 
+TMP_PREFIX = ".tmp-"  # then the packer's host, its process id and a random hex
+
+
+def remove_dead_packings(cache_root: Path) -> list[Path]:
+    """Remove the temporary directories of packings on this host whose process has died;
+    those removed. Another host's (a shared cache_dir) and a live process's are left alone,
+    and so is a name that says neither (written by an earlier version)."""
+    host, removed = socket.gethostname(), []
+    for tmp in cache_root.glob(f"{TMP_PREFIX}*"):
+        owner_host, _, rest = tmp.name[len(TMP_PREFIX) :].rpartition("-")[0].rpartition("-")
+        if owner_host != host or not rest.isdigit() or _process_alive(int(rest)):
+            continue
+        shutil.rmtree(tmp, ignore_errors=True)
+        log.warning("removed %s, left by a packing whose process %s died", tmp, rest)
+        removed.append(tmp)
+    return removed
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        return True
+    return True
+
+
 def materialize(
     ds,
     settings: PackSettings,
@@ -272,7 +303,8 @@ def materialize(
     check_columns(ds, settings, what)
     separator, vocab = separator_and_vocab(settings)
     mapped = ds.map_batches(tokenize or Tokenize(settings), batch_format="pyarrow")
-    tmp = cache_root / f".tmp-{uuid.uuid4().hex}"
+    remove_dead_packings(cache_root)
+    tmp = cache_root / f"{TMP_PREFIX}{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex}"
     try:
         meta = pack(mapped, settings, tmp, separator)
         meta.update(
