@@ -54,6 +54,7 @@ bench: install
 	-$(PY) bench/bench_checkpoint.py
 	-$(PY) bench/bench_simulator.py
 	-$(PY) bench/bench_overhead.py
+	-$(PY) bench/bench_copy_cost.py
 	-$(PY) bench/bench_input.py
 	-$(PY) bench/bench_startup.py
 	-$(PY) bench/bench_elastic.py

@@ -4,22 +4,34 @@ The state is one rank's share of bench_overhead.py's model (its narrowed `small`
 dp_shard=2: half of every parameter, with AdamW's two moments, step counts and
 hyperparameters, as the flattened optimizer state dict has them). Each copy is staged into one
 of three rotating buffer sets, captured as held tensors, kept, and sent to a Ray actor that
-holds it as a peer does (`hold_copy`). Prints the median per copy, after two warm-up copies:
-the copying thread's CPU by phase, its wall time, and the holder's CPU.
-Run: python bench/bench_copy_cost.py [--copies N]
+holds it as a peer does (`hold_copy`). Reports the median per copy, after two warm-up copies:
+the copying thread's CPU by phase, its wall time, and the holder process's CPU.
+
+Each size is measured twice: the layout (DCP metadata, tensor placement) sent with the first
+copy only, as `PeerCopier` sends it, and with every copy, as it was sent before. Its pickling
+costs in proportion to the shards' count, so the second size has the model's blocks (29
+tensors each) multiplied: a rank of a 100B+ model holds thousands of tensors.
+Writes bench/results/copy_cost.json.
+Run: python bench/bench_copy_cost.py [--copies N] [--layers 4,64]
 """
 
 from __future__ import annotations
 
 import argparse
+import shlex
 import statistics
+import sys
 import threading
 import time
+from pathlib import Path
 
 import ray
 import torch
 
-from raytrain_dt.checkpoint.memory_files import capture_copy, copy_metadata, from_wire, to_wire
+sys.path.insert(0, str(Path(__file__).parent))
+import common
+
+from raytrain_dt.checkpoint.memory_files import capture_copy, copy_metadata, to_wire
 from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.worker.peer_copies import CopyStore
 
@@ -39,10 +51,10 @@ ADAMW_GROUP = {
 }
 
 
-def rank_state() -> dict:
+def rank_state(layers: int = LAYERS) -> dict:
     shapes = {"tok_embeddings.weight": (VOCAB, DIM), "norm.weight": (DIM,)}
     shapes["output.weight"] = (VOCAB, DIM)
-    for i in range(LAYERS):
+    for i in range(layers):
         for name in ("wq", "wk", "wv", "wo"):
             shapes[f"layers.{i}.attention.{name}.weight"] = (DIM, DIM)
         shapes[f"layers.{i}.feed_forward.w1.weight"] = (FFN, DIM)
@@ -68,55 +80,105 @@ class Holder:
         self.store = CopyStore()
 
     def hold_copy(self, key, wire) -> float:
-        started = time.thread_time()
-        self.store.put(tuple(key), from_wire(wire))
-        return time.thread_time() - started
+        """The holder process's CPU clock once the copy is held (a None key: the clock
+        alone): between two copies its process does nothing else, so the difference is one
+        copy's whole cost to it (Ray receiving and unpickling the call included)."""
+        if key is not None:
+            self.store.hold(tuple(key), wire)
+        return time.process_time()
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--copies", type=int, default=12)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+def measure(layers: int, layout_every_copy: bool, copies: int) -> dict:
+    """One case: `copies` copies of a rank's state at `layers` blocks to a fresh holder; the
+    medians per copy after two warm-up copies (they allocate and plan)."""
     holder = Holder.remote()
     ray.get(holder.__ray_ready__.remote())
-    state, store = rank_state(), CopyStore()
+    state, store = rank_state(layers), CopyStore()
     stagers = [ReusableStager(one_allocation=True) for _ in range(store.keep + 1)]
-    metadata: dict[int, object] = {}
-    rows = []
+    metadata: dict = {}
+    rows, sent, holder_clock = [], [None], [ray.get(holder.hold_copy.remote(None, None))]
 
     def one(step: int) -> None:
         cpu0, wall0 = time.thread_time(), time.perf_counter()
         buffers = step % len(stagers)
         staged = stagers[buffers].stage(state)
         cpu1 = time.thread_time()
-        if buffers not in metadata:  # once per buffer set, as `PeerCopier` plans it
-            metadata[buffers] = copy_metadata(staged, 0)
-        copy = capture_copy(staged, 0, b"", metadata[buffers])
+        if not metadata:  # once per layout, as `PeerCopier` plans it
+            metadata["planned"] = copy_metadata(staged, 0)
+        copy = capture_copy(staged, 0, b"", metadata["planned"])
         store.put((1, step, 0), copy)
         cpu2 = time.thread_time()
-        held = holder.hold_copy.remote((1, step, 1), to_wire(copy))
+        wire = to_wire(copy, known=sent[0])  # the layout the holder has: sent once
+        held = holder.hold_copy.remote((1, step, 0), wire)
         cpu3 = time.thread_time()
-        holder_cpu = ray.get(held)
+        clock = ray.get(held)
+        holder_cpu, holder_clock[0] = clock - holder_clock[0], clock
+        if not layout_every_copy:
+            sent[0] = wire["layout"] or sent[0]
         wall = time.perf_counter() - wall0
         rows.append((cpu3 - cpu0, cpu1 - cpu0, cpu2 - cpu1, cpu3 - cpu2, wall, holder_cpu))
 
     # On a thread of its own, as the copier's (the training thread's share is `stage`).
-    thread = threading.Thread(target=lambda: [one(s) for s in range(args.copies)])
+    thread = threading.Thread(target=lambda: [one(s) for s in range(copies)])
     thread.start()
     thread.join()
-    ray.shutdown()
-    rows = rows[2:]  # the first copies allocate their buffer sets and plan the metadata
+    ray.kill(holder)
+    rows = rows[2:]
 
     def ms(column: int) -> float:
-        return statistics.median(r[column] for r in rows) * 1e3
+        return round(statistics.median(r[column] for r in rows) * 1e3, 1)
 
-    mb = sum(t.nbytes for t in state_tensors(state)) / 1e6
-    print(
-        f"one copy of {mb:.1f} MB (median of {len(rows)}): copying thread {ms(0):.1f} ms CPU "
-        f"(staging {ms(1):.1f}, capture and keep {ms(2):.1f}, send {ms(3):.1f}), "
-        f"wall {ms(4):.1f} ms; holder {ms(5):.1f} ms CPU"
+    case = {
+        "blocks": layers,
+        "tensors": len(state_tensors(state)),
+        "state_mb": round(sum(t.nbytes for t in state_tensors(state)) / 1e6, 1),
+        "layout_sent": "with every copy (before)" if layout_every_copy else "once per layout",
+        "copy_thread_cpu_ms": ms(0),
+        "staging_ms": ms(1),
+        "capture_and_keep_ms": ms(2),
+        "send_ms": ms(3),
+        "holder_cpu_ms": ms(5),
+        "wall_ms": ms(4),
+    }
+    print(case, flush=True)
+    return case
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--copies", type=int, default=14)
+    parser.add_argument(
+        "--layers",
+        default=f"{LAYERS},64",
+        help="comma-separated blocks of the model (29 tensors per block, the shards' count)",
+    )
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        cases = [
+            measure(int(layers), every, args.copies)
+            for layers in args.layers.split(",")
+            for every in (False, True)
+        ]
+    finally:
+        ray.shutdown()
+    common.write_result(
+        "copy_cost",
+        "In-memory copy: CPU per copy of one rank's state (issue 19)",
+        shlex.join(["python", *sys.argv]),
+        "none here (bench_overhead.py holds issue 19's step-time target): where a copy's "
+        "CPU goes, which a host whose cores train pays out of its steps",
+        cases,
+        notes=(
+            f"bench_overhead.py's model (dim {DIM}, dp_shard={DP_SHARD}: one rank's half of "
+            f"every parameter and both AdamW moments) at {args.layers} blocks; {args.copies} "
+            "copies per case, medians after two warm-up copies; the copying thread's CPU "
+            "(staging into the rotating buffer set, capture and keep, send: Ray's pickling "
+            "and put), the holder process's CPU (Ray receiving the call, unpickling, copying "
+            "into its own memory), and the wall time to the holder's answer; one process "
+            "and one holder actor on this host"
+        ),
     )
     return 0
 

@@ -17,7 +17,8 @@ requested slice). The copies come from `fetch(owner)`: the caller decides where 
 copy is (this process, or a peer holding it).
 
 Between processes a copy travels as `to_wire`'s form: each tensor as a flat byte array
-(numpy: Ray moves it out of band, copied without the GIL), and `from_wire` rebuilds it, in
+(numpy: Ray moves it out of band, copied without the GIL), its layout (metadata and tensor
+placement) only when the receiver does not have it yet, and `from_wire` rebuilds it, in
 memory the receiver owns when it holds the copy for a peer (a Ray object dies with the process
 that put it; the peer's copy must outlive the sender, which is its point). That memory is
 reused: a holder hands the buffers of a copy it let go to the next copy it receives
@@ -117,10 +118,24 @@ def capture_copy(state_dict: dict, owner: int, rng: bytes, metadata: Metadata) -
 
 
 # --- between processes ------------------------------------------------------------------------
-def to_wire(copy: HeldCopy) -> dict:
+@dataclasses.dataclass(frozen=True)
+class WireLayout:
+    """What a copy's wire form says of its layout rather than its step: the DCP metadata, and
+    where each tensor lies in the byte arrays (key -> (dtype, shape, array index, byte offset)).
+    The same for every copy of one layout, so a sender sends it once per receiver (`to_wire`'s
+    `known`): pickling it costs in proportion to the shards' count, every copy, on both sides
+    (thousands of entries on a rank of a 100B+ model)."""
+
+    metadata: Metadata
+    tensors: dict[str, tuple[str, tuple[int, ...], int, int]]
+
+
+def to_wire(copy: HeldCopy, known: WireLayout | None = None) -> dict:
     """`copy` for Ray: the memory its tensors live in as byte arrays (pickle-5 buffers, moved
-    out of band; one array when the copy was staged into one allocation), each tensor as
-    where it lies in them, 0-dim tensors as Python scalars. Views of the held memory."""
+    out of band; one array when the copy was staged into one allocation), its `WireLayout`,
+    0-dim tensors as Python scalars. Views of the held memory. The layout is left out (None)
+    when it is `known`, the one the receiver already has (the same metadata object and
+    tensor placement)."""
     storages: dict[int, int] = {}  # storage address -> its array's index
     arrays, tensors = [], {}
     for key, tensor in copy.tensors.items():
@@ -142,22 +157,26 @@ def to_wire(copy: HeldCopy) -> dict:
         else v
         for key, v in copy.objects.items()
     }
-    return {
-        "metadata": copy.metadata,
-        "arrays": arrays,
-        "tensors": tensors,
-        "objects": objects,
-        "rng": copy.rng,
-    }
+    layout = WireLayout(copy.metadata, tensors)
+    if known is not None and known.metadata is copy.metadata and known.tensors == tensors:
+        layout = None
+    return {"layout": layout, "arrays": arrays, "objects": objects, "rng": copy.rng}
 
 
 def from_wire(
-    wire: dict, own: bool = True, reuse: Callable[[int], torch.Tensor | None] | None = None
+    wire: dict,
+    own: bool = True,
+    reuse: Callable[[int], torch.Tensor | None] | None = None,
+    layout: WireLayout | None = None,
 ) -> HeldCopy:
-    """The copy `to_wire` sent. `own`: its memory copied into memory this process owns (a
-    held copy), into a buffer `reuse(nbytes)` gives where it gives one (a flat uint8 buffer
-    nothing else uses any more); otherwise views of the received arrays (a copy read once,
-    for a load)."""
+    """The copy `to_wire` sent, laid out as its own layout says or, when it was sent without
+    one, as `layout` (the one its sender sent before). `own`: its memory copied into memory
+    this process owns (a held copy), into a buffer `reuse(nbytes)` gives where it gives one (a
+    flat uint8 buffer nothing else uses any more); otherwise views of the received arrays (a
+    copy read once, for a load)."""
+    layout = wire["layout"] or layout
+    if layout is None:
+        raise ValueError("in-memory copy sent without its layout, and none is known here")
     flats, owned = [], []
     for data in wire["arrays"]:
         with warnings.catch_warnings():  # Ray's arrays are read-only; nothing writes them here
@@ -169,7 +188,7 @@ def from_wire(
             owned.append(flat)
         flats.append(flat)
     tensors = {}
-    for key, (dtype, shape, array, offset) in wire["tensors"].items():
+    for key, (dtype, shape, array, offset) in layout.tensors.items():
         dtype = getattr(torch, dtype)
         nbytes = torch.Size(shape).numel() * dtype.itemsize
         tensors[key] = flats[array][offset : offset + nbytes].view(dtype).view(shape)
@@ -177,7 +196,7 @@ def from_wire(
         key: torch.tensor(v.value, dtype=getattr(torch, v.dtype)) if isinstance(v, _Scalar) else v
         for key, v in wire["objects"].items()
     }
-    return HeldCopy(wire["metadata"], tensors, objects, wire["rng"], owned)
+    return HeldCopy(layout.metadata, tensors, objects, wire["rng"], owned)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,6 +60,12 @@ class ReusableStager(AsyncStager):
             return self._copy(copies)
         return self._executor.submit(self._copy, copies)
 
+    @property
+    def signature(self) -> Any:
+        """The staged state's structure and every shard's shape, dtype and placement (None
+        before the first `stage`): equal signatures, equal layouts."""
+        return self._signature
+
     def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
         devices = {source.device for _, source in copies if source.device.type != "cpu"}
         with torch.no_grad():

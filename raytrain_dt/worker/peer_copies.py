@@ -30,6 +30,7 @@ from raytrain_dt.accel.device import DeviceSpec
 from raytrain_dt.checkpoint.memory_files import (
     CopyReader,
     HeldCopy,
+    WireLayout,
     capture_copy,
     copy_metadata,
     from_wire,
@@ -67,12 +68,21 @@ class CopyStore:
         self._lent: set[int] = set()  # id() of held copies handed out by `get`
         self._spares: dict[int, list] = {}  # nbytes -> flat buffers no held copy views
         self._spares_generation = -1
+        # (generation, owner) -> the layout its copies were last sent with: a sender sends it
+        # with its first copy to this holder only (`to_wire`'s `known`).
+        self._layouts: dict[tuple[int, int], WireLayout] = {}
         self._lock = threading.Lock()
 
     def hold(self, key: CopyKey, wire: dict) -> None:
         """A peer's copy, as it came over the wire, copied into memory this actor owns (the
-        sender's Ray object dies with the sender)."""
-        self.put(tuple(key), from_wire(wire, reuse=self._spare))
+        sender's Ray object dies with the sender). Raises if it came without its layout and
+        none was received from its owner in its generation (the sender then sends it again)."""
+        generation, _, owner = key
+        with self._lock:
+            if wire["layout"] is not None:
+                self._layouts[(generation, owner)] = wire["layout"]
+            layout = self._layouts.get((generation, owner))
+        self.put(tuple(key), from_wire(wire, reuse=self._spare, layout=layout))
 
     def _spare(self, nbytes: int):
         with self._lock:
@@ -83,6 +93,7 @@ class CopyStore:
         with self._lock:
             if key[0] > self._spares_generation:  # a new layout: its shards have new sizes
                 self._spares, self._spares_generation = {}, key[0]
+                self._layouts = {k: v for k, v in self._layouts.items() if k[0] >= key[0]}
             self._copies[key] = copy
             points = sorted({(g, s) for g, s, _ in self._copies})
             for old in points[: -self.keep]:
@@ -138,7 +149,9 @@ class PeerCopier:
             ReusableStager(background=True, one_allocation=True) for _ in range(store.keep + 1)
         ]
         self._staged_as: list[CopyKey | None] = [None] * len(self.stagers)
-        self._metadata: list[tuple[int, object]] = [(0, None)] * len(self.stagers)
+        # (the stagers' state signature, its DCP metadata): one object for every buffer set.
+        self._metadata: tuple[object, object] | None = None
+        self._peer_layout: WireLayout | None = None  # the layout the peer has been sent
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="memory-copy")
         self._in_flight: Future | None = None
         self._step_in_flight = -1
@@ -209,20 +222,24 @@ class PeerCopier:
             log.exception("rank %d: in-memory copy of step %d failed", self.rank, step)
 
     def _layout_metadata(self, buffers: int, state: dict):
-        """The copy's DCP metadata, planned once per buffer set's layout."""
-        allocations = self.stagers[buffers].allocations
-        if self._metadata[buffers][0] != allocations:
-            self._metadata[buffers] = (allocations, copy_metadata(state, self.rank))
-        return self._metadata[buffers][1]
+        """The copy's DCP metadata, planned once per state layout: every buffer set of that
+        layout shares the one object (so the peer is sent it once, see `_send`)."""
+        signature = self.stagers[buffers].signature
+        if self._metadata is None or self._metadata[0] != signature:
+            self._metadata = (signature, copy_metadata(state, self.rank))
+        return self._metadata[1]
 
     def _send(self, key: CopyKey, copy: HeldCopy) -> bool:
         import ray
 
         try:
             hold = self.peer.handle.hold_copy.options(concurrency_group=COPY_GROUP)
-            ray.get(hold.remote(key, to_wire(copy)), timeout=self.peer_timeout_s)
+            wire = to_wire(copy, known=self._peer_layout)
+            ray.get(hold.remote(key, wire), timeout=self.peer_timeout_s)
+            self._peer_layout = wire["layout"] or self._peer_layout
             return True
         except Exception as exc:  # the peer died or is slow: the own copy still counts
+            self._peer_layout = None  # whatever the peer kept, the next copy carries it again
             log.warning("rank %d: peer copy of step %d failed: %s", self.rank, key[1], exc)
             return False
 

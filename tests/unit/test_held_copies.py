@@ -6,6 +6,7 @@ and the copier's rotating buffer sets never overwrite a copy the store still hol
 import pickle
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from raytrain_dt.checkpoint.memory_files import (
@@ -104,3 +105,56 @@ def test_a_holder_receives_into_the_buffers_of_the_copies_it_let_go_never_a_lent
     for step, copy in zip((3, 4), viewed, strict=True):
         assert torch.equal(_loaded(copy)["model"]["w"], _state(step)["model"]["w"])
     assert torch.equal(_loaded(store.get((1, 7, 0)))["model"]["w"], _state(7)["model"]["w"])
+
+
+class _PeerHandle:
+    """A peer actor's `hold_copy` as `PeerCopier._send` calls it, pickled as Ray sends it;
+    `fail_at` steps raise (the peer slow or gone)."""
+
+    def __init__(self, store: CopyStore, fail_at: tuple[int, ...] = ()):
+        self.store, self.fail_at = store, fail_at
+        self.sent: list[tuple[int, bytes]] = []  # (step, the wire as pickled)
+        self.hold_copy = SimpleNamespace(options=lambda **_: SimpleNamespace(remote=self._hold))
+
+    def _hold(self, key, wire):
+        self.sent.append((key[1], pickle.dumps(wire, protocol=5)))
+        if key[1] in self.fail_at:
+            raise TimeoutError("peer too slow")
+        self.store.hold(key, pickle.loads(self.sent[-1][1]))
+
+
+def test_a_peer_is_sent_the_layout_once_and_again_after_a_failed_send(monkeypatch):
+    import ray
+
+    monkeypatch.setattr(ray, "get", lambda value, timeout=None: value)  # the call is direct
+    engine, held = _StagingEngine(), CopyStore(keep=2)
+    peer = _PeerHandle(held, fail_at=(3,))
+    cpu = SimpleNamespace(is_accelerator=False)
+    copier = PeerCopier(engine, cpu, 0, 1, 0, CopyStore(keep=2), None, lambda report: None)
+    copier.peer = SimpleNamespace(actor_index=1, handle=peer)
+    for step in range(1, 7):
+        engine.state = _state(float(step))
+        copier.copy(step, None)
+        copier.wait()
+    carried = [pickle.loads(wire)["layout"] is not None for _, wire in peer.sent]
+    # The first copy carries it; the next, staged into other buffers, do not; the failed send
+    # of step 3 makes step 4's carry it again.
+    assert carried == [True, False, False, True, False, False]
+    sizes = [len(wire) for _, wire in peer.sent]
+    assert max(sizes[1:3]) < sizes[0] and max(sizes[4:]) < sizes[3]
+    for step in (5, 6):  # rebuilt with the layout received before: each step's exact state
+        loaded = _loaded(held.get((1, step, 0)))
+        assert torch.equal(loaded["model"]["w"], _state(step)["model"]["w"])
+        assert loaded["optim"]["state.w.step"] == float(step)
+    copier.close()
+
+
+def test_a_holder_refuses_a_copy_whose_layout_it_never_received():
+    stager = ReusableStager(one_allocation=True)
+    first = _copy(_state(1.0), stager)
+    layout = to_wire(first)["layout"]
+    second = capture_copy(stager.stage(_state(2.0)), 0, b"rng", first.metadata)
+    wire = pickle.loads(pickle.dumps(to_wire(second, known=layout), protocol=5))
+    assert wire["layout"] is None
+    with pytest.raises(ValueError, match="without its layout"):
+        CopyStore(keep=2).hold((2, 2, 0), wire)
