@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -285,7 +286,7 @@ def main() -> int:
     common.write_result(
         "overhead",
         "Orchestration overhead: steady-state step time",
-        "python bench/bench_overhead.py",
+        shlex.join(["python", *sys.argv]),  # the command as run (its repeats, steps)
         f"raytrain-dt seconds per step <= {TARGET}x plain torchrun (same model, layout, data, "
         f"FSDP2); with in-memory copies of every step <= {COPIES_TARGET}x without",
         cases,
