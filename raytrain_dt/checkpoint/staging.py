@@ -40,7 +40,6 @@ class ReusableStager(AsyncStager):
         self._one_allocation = one_allocation
         self._staged: Any = None
         self._signature: Any = None
-        self.allocations = 0  # buffer sets allocated: a new one means a new layout of the state
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging") if background else None
         )
@@ -51,7 +50,6 @@ class ReusableStager(AsyncStager):
             new_buffer = _Arena(state_dict) if self._one_allocation else _own_buffer
             self._staged = _allocate(state_dict, new_buffer)
             self._signature = signature
-            self.allocations += 1
         # Plain values (lr, betas, ...) are taken now; tensors are paired with their buffers,
         # as plain local tensors, so the staging thread runs no DTensor code.
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
