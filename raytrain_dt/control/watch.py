@@ -84,6 +84,10 @@ class GroupWatch:
         if run.formation_timer is not None:  # the whole breakdown, first step included
             timer, run.formation_timer = run.formation_timer, None
             self.recorder.event("first_step", step=run.step, **timer.first_step())
+            # The capacity held back while the layout re-formed (a dead rank's replacement)
+            # may start now: look at the cluster in this iteration, not at the next periodic
+            # check up to CLUSTER_CHECK_INTERVAL_S later.
+            run.last_cluster_check = 0.0
 
     def check(self) -> State:
         """One look at the running group: its reports, failures, hangs, chaos and the

@@ -11,6 +11,7 @@ from fakes import FakeCluster, FakeRankGroup
 
 from raytrain_dt.config import load_config
 from raytrain_dt.config.schema import ElasticConfig
+from raytrain_dt.control import watch
 from raytrain_dt.control.coordinator import Coordinator
 from raytrain_dt.control.group import PlacementTimedOut
 from raytrain_dt.control.policies import capacity_request
@@ -169,14 +170,17 @@ def test_node_lost_before_ray_notices_is_left_out_of_the_plan(start):
     assert coordinator.lost_nodes == {"b"}
 
 
-def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start):
+def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start, monkeypatch):
     """The survivors train at once (re-planned: the dead rank's node has one started actor),
-    a replacement starts once they have completed their first step (not before: it would
-    take the CPU their re-formation needs), and the group grows back to the node once it has
-    started (just in time, at a step boundary): the dead rank does not take its node out."""
+    a replacement starts at their first step (not before: it would take the CPU their
+    re-formation needs; not at the next periodic look at the cluster: at once), and the group
+    grows back to the node once it has started (just in time, at a step boundary): the dead
+    rank does not take its node out."""
     coordinator, _, group = start(("a", "b"), "elastic.grow_stable_s=0")
     advance_until(coordinator, Running)
     train_to(coordinator, 5)
+    # No periodic look at the cluster from here: only those the coordinator forces.
+    monkeypatch.setattr(watch, "CLUSTER_CHECK_INTERVAL_S", 1e6)
     group.kill_rank(1)
     state = coordinator.advance()
     assert isinstance(state, Restarting) and not group.starting
@@ -184,9 +188,12 @@ def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start):
     # Planned for the three survivors only (a: 1, b: 2): it did not wait for the replacement.
     assert state.decision.layout.dims.world_size == sum(group.formations[-1].values()) < 4
     assert not group.starting and not group.idle  # formed, no step yet: nothing started
-    train_to(coordinator, 6)
+    train_to(coordinator, 5)  # the new layout's first step
     assert [s.node_id for s in group.starting + group.idle] == ["a"]  # the replacement
-    state = advance_until(coordinator, Draining, max_iterations=10)  # the replacement started
+    train_to(coordinator, 6)  # it has started, but the group grows only at a look
+    assert group.formations[-1] == {"a": 1, "b": 2}
+    monkeypatch.setattr(watch, "CLUSTER_CHECK_INTERVAL_S", 0.0)  # the next periodic look
+    state = advance_until(coordinator, Draining, max_iterations=1)  # the replacement started
     assert state.decision.nodes == ("a", "b") and state.decision.checkpoint_first
     assert isinstance(coordinator.advance(), Resizing)
     assert isinstance(coordinator.advance(), Running)
