@@ -11,10 +11,10 @@ Rules: TP divides the accelerators per node (TP never leaves NVLink) and the hea
 PP is a divisor of the layers or a power of two up to them (uneven stages balanced by cost,
 `pipeline_stages.py`); the global batch G is kept exactly. Context parallelism (cp ranks share
 each sequence; world = tp x cp x pp x dp) is a candidate only where a long sequence makes
-memory demand it (`_cp_degrees`); expert parallelism (ep of the dp_shard ranks share each MoE
-block's experts; no change to the world or the data split) for MoE shapes only, at every ep
-dividing both the experts and dp_shard. Where dp divides G each rank reads
-G/dp samples; otherwise (pp == 1 only) ranks read slices one sample apart in ceil(G/dp) slots
+memory demand it; expert parallelism (ep of the dp_shard ranks share each MoE block's
+experts; no change to the world or the data split) for MoE shapes only, at every ep dividing
+both the experts and dp_shard (the degrees: `degree_grid.py`). Where dp divides G each rank
+reads G/dp samples; otherwise (pp == 1 only) ranks read slices one sample apart in ceil(G/dp) slots
 and the spare slots are zero-weighted padding (`Layout.real_global_batch`, `data.order`,
 `engines.micro_loss`), priced as compute. G being fixed, the shortest step is the highest
 throughput; within THROUGHPUT_TIE of it fewer accelerators win, then exact layouts. So the math
@@ -31,12 +31,19 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass, field
 
 from raytrain_dt.errors import ConfigError, PlanningError
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.topology.cost import StepTime, compute_s, estimate_step_time
+from raytrain_dt.topology.degree_grid import (
+    cp_degrees,
+    degree_grid,
+    divisors,
+    dp_splits,
+    ep_degrees,
+    smallest_batch,
+)
 from raytrain_dt.topology.host_memory import (
     HostMemoryEstimate,
     host_bytes_per_rank,
@@ -46,12 +53,11 @@ from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import (
     GB,
     MemoryEstimate,
-    activation_bytes,
     estimate_memory,
 )
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.pins import LayoutPins, engine_refusal, validate_pins
-from raytrain_dt.topology.pipeline_stages import pipeline_degrees, schedule_variants
+from raytrain_dt.topology.pipeline_stages import schedule_variants
 from raytrain_dt.topology.plan_reasons import alt_reason, best_reason, states_gb
 
 
@@ -115,174 +121,6 @@ def _candidate_json(c: Candidate) -> dict:
     }
 
 
-def _divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def _tp_pp(shape, topo, pins):
-    """(tp, pp) pairs the node size, the model and the pins allow."""
-    v = pins.virtual_stages or 1
-    heads = (shape.n_heads, shape.n_kv_heads)
-    tps = [t for t in _divisors(topo.accelerators_per_node) if not any(h % t for h in heads)]
-    pps = [p for p in pipeline_degrees(shape.n_layers) if p * v <= shape.n_layers]
-    if pins.pp_layers:
-        pins = dataclasses.replace(pins, pp=pins.pp or len(pins.pp_layers) // v)
-    tps, pps = [pins.tp] if pins.tp else tps, [pins.pp] if pins.pp else pps
-    return list(itertools.product(tps, pps))
-
-
-# Context parallelism pays only for long sequences: below this, ring attention's per-hop kernel
-# launches and softmax merges over short chunks cost more than the activations it saves, and
-# published runs keep cp = 1 (Llama 3: cp = 1 at 8K tokens, cp = 16 at 131K).
-CP_MIN_SEQ_LEN = 32768
-# Nor is a rank given fewer tokens of a sequence than this (attention kernels go latency-bound).
-CP_MIN_TOKENS_PER_RANK = 1024
-
-
-def cp_degrees(shape, topo, pins, seq_len: int, precision: str) -> list[int]:
-    """Context-parallel degrees worth planning: a pinned cp; else 1, and where a sequence of
-    `seq_len` is long (CP_MIN_SEQ_LEN) and its activations alone (one sequence, no TP, no
-    checkpointing) exceed an accelerator's memory, every power of two that splits it into
-    2 x cp chunks of at least CP_MIN_TOKENS_PER_RANK / 2 tokens, up to the cluster."""
-    if pins.cp:
-        return [pins.cp]
-    if seq_len < CP_MIN_SEQ_LEN or not cp_pays(shape, topo, seq_len, precision):
-        return [1]
-    out, cp = [1], 2
-    while cp <= topo.num_accelerators and seq_len // cp >= CP_MIN_TOKENS_PER_RANK:
-        if seq_len % (2 * cp) == 0:
-            out.append(cp)
-        cp *= 2
-    return out
-
-
-def cp_pays(shape, topo, seq_len: int, precision: str) -> bool:
-    """Whether one sequence's activations (micro-batch 1, no TP, no checkpointing) exceed an
-    accelerator's memory: what context parallelism is for."""
-    one = activation_bytes(shape, seq_len=seq_len, micro_batch=1, precision=precision)
-    return one > topo.memory_per_accelerator
-
-
-def _ep_degrees(shape, dp_shard: int, pins) -> list[int]:
-    """Expert-parallel degrees for a dp_shard group: a pinned ep if it divides dp_shard; for
-    an unpinned MoE shape every divisor of both the experts and dp_shard; else 1."""
-    if pins.ep:
-        return [pins.ep] if dp_shard % pins.ep == 0 else []
-    if not shape.is_moe:
-        return [1]
-    return _divisors(math.gcd(shape.n_experts, dp_shard))
-
-
-def _dp_step(pins) -> int:
-    """The DP degrees a pinned dp_replicate, dp_shard or ep allow are multiples of this."""
-    return (pins.dp_replicate or 1) * (pins.dp_shard or pins.ep or 1)
-
-
-def _dp_degrees(global_batch: int, most: int, pins) -> list[int]:
-    """DP degrees worth planning, up to `most`: for each per-rank share ceil(G/dp) the smallest
-    dp that reaches it (more ranks at the same share only add communication; an exact dp is
-    always one), and `most` itself (more shards, less memory per rank). Multiples of a pinned
-    dp_replicate or dp_shard only. O(sqrt(G)) of them, not every dp up to the cluster."""
-    if pins.dp_replicate and pins.dp_shard:
-        dp = pins.dp_replicate * pins.dp_shard
-        return [dp] if dp <= most else []
-    step = _dp_step(pins)
-    most -= most % step
-    found = {most} if 0 < most <= global_batch else set()
-    dp = step
-    while dp <= min(most, global_batch):
-        found.add(dp)
-        share = -(-global_batch // dp)
-        if share == 1:
-            break
-        fewer = -(-global_batch // (share - 1))  # the first dp with a smaller share
-        dp = max(dp + step, -(-fewer // step) * step)
-    return sorted(found)
-
-
-def _per_rank_slots(global_batch: int, dp: int, pp: int, pins) -> int | None:
-    """Batch slots per DP rank and step (micro_batch x grad_accum), or None if no split of the
-    global batch over `dp` honours the pins. G/dp when dp divides G, with the pins dividing it;
-    otherwise the fewest slots >= ceil(G/dp) the pins allow, the rest being padding - only
-    without pipeline stages (their schedules are exact-only) and with at most one of
-    micro_batch and grad_accum pinned."""
-    if global_batch % dp == 0:
-        per_rank = global_batch // dp
-        if any(x and per_rank % x for x in (pins.micro_batch, pins.grad_accum)):
-            return None
-        if pins.micro_batch and pins.grad_accum and pins.micro_batch * pins.grad_accum != per_rank:
-            return None
-        return per_rank
-    if pp > 1 or (pins.micro_batch and pins.grad_accum) or dp > global_batch:
-        return None
-    unit = pins.micro_batch or pins.grad_accum or 1
-    share = -(-global_batch // dp)
-    return -(-share // unit) * unit
-
-
-def smallest_batch(global_batch: int, tolerance: float) -> int:
-    """The smallest real global batch `trainer.batch_tolerance` allows: ceil((1 - t) * G)."""
-    return max(1, math.ceil(global_batch * (1.0 - tolerance) - 1e-9))
-
-
-def _grid(shape, topo, pins, global_batch, least_batch=0, cps=(1,)):
-    """(tp, pp, cp, dp, slots per rank, real batch) cells of every world up to the cluster that
-    honour the pins: the exact global batch, and with a tolerance (`least_batch` < G) each
-    smaller exact batch dp x share >= least_batch, at the largest dp for its share."""
-    least_batch = least_batch or global_batch
-    for (tp, pp), cp in itertools.product(_tp_pp(shape, topo, pins), cps):
-        most = topo.num_accelerators // (tp * pp * cp)
-        if most < 1:
-            continue
-        dps = _dp_degrees(global_batch, most, pins)
-        for dp in dps:
-            slots = _per_rank_slots(global_batch, dp, pp, pins)
-            if slots:
-                yield tp, pp, cp, dp, slots, global_batch
-        if least_batch >= global_batch:
-            continue
-        found = set()
-        for dp in {*dps, *_tolerated_dps(global_batch, least_batch, most, pins)}:
-            for share in range(-(-least_batch // dp), -(-global_batch // dp) + 1):
-                batch = share * dp
-                if least_batch <= batch < global_batch and (dp, batch) not in found:
-                    found.add((dp, batch))
-                    if _per_rank_slots(batch, dp, pp, pins) == share:
-                        yield tp, pp, cp, dp, share, batch
-
-
-def _tolerated_dps(global_batch: int, least_batch: int, most: int, pins) -> set[int]:
-    """For each per-rank share, the largest dp (up to `most`, a multiple of the pinned DP
-    degree) whose exact batch dp x share is within the tolerance."""
-    if pins.dp_replicate and pins.dp_shard:
-        return set()
-    step = _dp_step(pins)
-    out = set()
-    for share in range(1, global_batch + 1):
-        dp = min(most, global_batch // share)
-        dp -= dp % step
-        if dp >= 1 and dp * share >= least_batch:
-            out.add(dp)
-    return out
-
-
-def _dp_splits(dp, zero, model_ranks, topo, pins):
-    """(dp_replicate, dp_shard) pairs: replicate for zero 0, shard for ZeRO, and for zero 3
-    HSDP (shard inside a node, replicate across nodes) when the DP group spans nodes.
-    `model_ranks`: the ranks of one DP index (tp x cp) that a node holds with each."""
-    if pins.dp_replicate or pins.dp_shard:
-        r = pins.dp_replicate or dp // pins.dp_shard
-        s = dp // r
-        return [] if (zero == 0 and s > 1) else [(r, s)]
-    if zero == 0:
-        return [(dp, 1)]
-    splits = [(1, dp)]
-    inner = topo.accelerators_per_node // model_ranks
-    if zero == 3 and 1 < inner < dp and dp % inner == 0:
-        splits.append((dp // inner, inner))
-    return splits
-
-
 @dataclass(frozen=True)
 class _Opts:
     global_batch: int  # the configured batch G: times are compared per G samples
@@ -332,7 +170,7 @@ def _leaner(a: _HostNeed | None, b: _HostNeed | None) -> _HostNeed | None:
 
 
 def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
-    """All fitting candidates of `cells` (`_grid`), plus the leanest (lowest memory) seen, and
+    """All fitting candidates of `cells` (`degree_grid`), plus the leanest (lowest memory) seen, and
     the leanest host need of those that fit the accelerator but not the host."""
     fitting: list[Candidate] = []
     leanest: Candidate | None = None
@@ -346,7 +184,7 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
         if pins.micro_batch or pins.grad_accum:
             mbs = [pins.micro_batch or per_rank // pins.grad_accum]
         else:
-            mbs = [m for m in _divisors(per_rank) if m <= o.max_micro_batch]
+            mbs = [m for m in divisors(per_rank) if m <= o.max_micro_batch]
         # SP costs the same bytes as plain TP and stores less, so it is on whenever TP is.
         sp = tp > 1 and pins.sequence_parallel is not False
         sched, v = (pins.pp_schedule or "1f1b", pins.virtual_stages or 1) if pp > 1 else ("1f1b", 1)
@@ -356,8 +194,8 @@ def _enumerate(shape, topo, pins, cells, o: _Opts, allow_offload=False):
             offloads = [False, True] if allow_offload and zero > 0 else [False]
             if pins.offload_optimizer is not None:
                 offloads = [pins.offload_optimizer]
-            splits = _dp_splits(dp, zero, tp * cp, topo, pins)
-            eps = {split: _ep_degrees(shape, split[1], pins) for split in splits}
+            splits = dp_splits(dp, zero, tp * cp, topo, pins)
+            eps = {split: ep_degrees(shape, split[1], pins) for split in splits}
             choices = [(split, ep) for split in splits for ep in eps[split]]
             for ((dpr, dps), ep), offload, ac in itertools.product(choices, offloads, acs):
                 # Sharding over one rank is plain DP with extra steps; it only matters as the
@@ -528,7 +366,7 @@ def plan(
     )
     least = smallest_batch(global_batch, batch_tolerance)
     cps = cp_degrees(shape, topology, pins, seq_len, precision)
-    cells = list(_grid(shape, topology, pins, global_batch, least, cps))
+    cells = list(degree_grid(shape, topology, pins, global_batch, least, cps))
     if not cells:
         raise PlanningError(
             f"no layout of up to {n} accelerators honours the pins and splits "

@@ -28,6 +28,7 @@ from raytrain_dt.topology.cost import (
     expert_all_to_all_s,
     ring_attention_s,
 )
+from raytrain_dt.topology.degree_grid import cp_degrees
 from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import (
     activation_bytes,
@@ -41,7 +42,7 @@ from raytrain_dt.topology.nodes import NodeInfo
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.pins import LayoutPins, engine_refusal
 from raytrain_dt.topology.plan_cli import add_plan_arguments, run_plan
-from raytrain_dt.topology.planner import cp_degrees, plan
+from raytrain_dt.topology.planner import plan
 from raytrain_dt.topology.run_plan import check_parallel_pins, plan_for_nodes
 
 L7, MIXTRAL, MOE_TINY = PRESETS["llama-7b"], PRESETS["mixtral-8x7b"], PRESETS["moe-tiny"]

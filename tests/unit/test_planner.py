@@ -172,15 +172,15 @@ def test_fewer_accelerators_win_a_throughput_tie() -> None:
 
 
 def test_dp_degrees_take_one_world_per_per_rank_share() -> None:
-    from raytrain_dt.topology.planner import _dp_degrees
+    from raytrain_dt.topology.degree_grid import dp_degrees
 
-    dps = _dp_degrees(1024, 8184, LayoutPins())
+    dps = dp_degrees(1024, 8184, LayoutPins())
     shares = [-(-1024 // d) for d in dps]
     assert len(set(shares)) == len(shares) and len(dps) < 2 * 32 + 2  # O(sqrt(G))
     assert all(-(-1024 // (d - 1)) > s for d, s in zip(dps, shares, strict=True) if d > 1)
     assert {1, 2, 3, 512, 1024} <= set(dps) and max(dps) == 1024
-    assert _dp_degrees(16, 3, LayoutPins()) == [1, 2, 3]
-    assert set(_dp_degrees(16, 12, LayoutPins(dp_shard=2))) == {2, 4, 6, 8, 12}
+    assert dp_degrees(16, 3, LayoutPins()) == [1, 2, 3]
+    assert set(dp_degrees(16, 12, LayoutPins(dp_shard=2))) == {2, 4, 6, 8, 12}
 
 
 def test_uses_every_accelerator_when_it_can() -> None:
