@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from raytrain_dt.config.load import load_config
-from raytrain_dt.config.schema import TrainConfig, validate
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.config.validation import validate
 from raytrain_dt.models.model_spec import ModelSpec
 from raytrain_dt.topology.layout import Layout
 

@@ -12,7 +12,8 @@ from pathlib import Path
 from omegaconf import OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
-from raytrain_dt.config.schema import TrainConfig, validate
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.config.validation import validate
 from raytrain_dt.errors import ConfigError
 
 

@@ -3,7 +3,7 @@
 `python -m raytrain_dt.config.reference > docs/config-reference.md`. Each key's type and default
 come from the dataclass field, its description from `metadata={"help": ...}` when given, else
 from the comment lines right above the field (or a comment at the end of its line) in
-schema.py, and its allowed values and ranges from the checks `validate()` runs. A unit test
+schema.py, and its allowed values and ranges from the checks `validation.py` runs. A unit test
 keeps the committed file equal to this output.
 """
 
@@ -14,7 +14,7 @@ import inspect
 import re
 import sys
 
-from raytrain_dt.config import schema
+from raytrain_dt.config import schema, validation
 
 _FIELD_LINE = re.compile(r"^\s+(\w+)\s*:[^=]*?(?:=.*?)?(?:#\s*(?P<inline>.*))?$")
 _COMMENT_LINE = re.compile(r"^\s+#\s?(.*)$")
@@ -54,15 +54,15 @@ def _type(f: dataclasses.Field) -> str:
 
 
 def _rules(key: str) -> str:
-    if key in schema._CHOICES:
+    if key in validation.CHOICES:
         return (
             "One of "
-            + ", ".join(f"`{'null' if v is None else v}`" for v in schema._CHOICES[key])
+            + ", ".join(f"`{'null' if v is None else v}`" for v in validation.CHOICES[key])
             + "."
         )
-    if key in schema._POSITIVE:
+    if key in validation.POSITIVE:
         return "Must be > 0."
-    if key in schema._NON_NEGATIVE:
+    if key in validation.NON_NEGATIVE:
         return "Must be >= 0."
     return ""
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-from raytrain_dt.config.schema import ElasticConfig, TrainConfig, memory_copy_interval, validate
+from raytrain_dt.config.schema import ElasticConfig, TrainConfig, memory_copy_interval
+from raytrain_dt.config.validation import validate
 from raytrain_dt.control.placement import counts_by_node
 from raytrain_dt.errors import UserError
 from raytrain_dt.sim import strategies

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from raytrain_dt.config.schema import TrainConfig, validate
+from raytrain_dt.config.schema import TrainConfig
+from raytrain_dt.config.validation import validate
 from raytrain_dt.control.deadlines import (
     FIRST_STEP_WARMUP,
     LEAVE_FLOOR_S,

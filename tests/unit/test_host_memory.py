@@ -11,7 +11,8 @@ import dataclasses
 
 import pytest
 
-from raytrain_dt.config.schema import ClusterConfig, TrainConfig, validate
+from raytrain_dt.config.schema import ClusterConfig, TrainConfig
+from raytrain_dt.config.validation import validate
 from raytrain_dt.errors import ConfigError, PlanningError
 from raytrain_dt.models.presets import PRESETS
 from raytrain_dt.topology.host_memory import (
