@@ -42,13 +42,7 @@ from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
-from raytrain_dt.parallel.device_mesh import build_mesh
-from raytrain_dt.worker.checkpointing import RankCheckpointer, side_groups
-from raytrain_dt.worker.collective_timeout import (
-    join_timeout,
-    restore_world_timeout,
-    set_collective_timeout,
-)
+from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.input_stream import open_stream
 from raytrain_dt.worker.layout_release import (
     abort_process_groups,
@@ -64,8 +58,8 @@ from raytrain_dt.worker.peer_copies import (
     PeerCopier,
     load_from_copies,
 )
-from raytrain_dt.worker.rank_chaos import RankChaos, die_joining
-from raytrain_dt.worker.rendezvous import join_store
+from raytrain_dt.worker.rank_chaos import RankChaos
+from raytrain_dt.worker.rendezvous import join_layout
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus, TrainStateReport
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
@@ -209,31 +203,8 @@ class RankWorker:
         )
         device.activate()
         self._device = device
-        os.environ.update(
-            MASTER_ADDR=spec.master_addr,
-            MASTER_PORT=str(spec.master_port),
-            RANK=str(spec.rank),
-            WORLD_SIZE=str(spec.world_size),
-        )
-        collective = set_collective_timeout(spec.cfg.comm.timeout_s)
-        joining = join_timeout(collective, spec.join_timeout_s)
-        die_joining(spec.cfg.chaos, spec.rank, "forming")
-        # Every peer is in before the group forms; a teardown meanwhile (`_stop`) ends the wait,
-        # and the waits of the groups' formation on this store (`LeavableStore`).
-        self._store = join_store(
-            spec.master_addr, spec.master_port, spec.rank, spec.world_size, joining, self._stop
-        )
-        die_joining(spec.cfg.chaos, spec.rank, "joined")
-        dist.init_process_group(
-            backend=device.backend,
-            store=self._store,
-            rank=spec.rank,
-            world_size=spec.world_size,
-            timeout=joining,
-        )
-        restore_world_timeout(collective)
-        mesh = build_mesh(spec.layout.dims, device.device_type)
-        checkpoint_groups = side_groups()  # while every peer is known to be there
+        joined = join_layout(spec, device.backend, device.device_type, self._stop)
+        self._store, mesh = joined.store, joined.mesh
         timings["process_group_s"] = time.perf_counter() - t0
 
         t1 = time.perf_counter()
@@ -263,7 +234,7 @@ class RankWorker:
             spec.cfg.checkpoint.async_save,
             device,
             die_while_saving=self._chaos.die_while_saving(),
-            groups=checkpoint_groups,
+            groups=joined.checkpoint_groups,
         )
         timings["model_build_s"] = time.perf_counter() - t1
         # Reported in the `model_built` event (what building the model cost in host memory).

@@ -13,15 +13,31 @@ checkpoint's side groups form, each rank waits in C++ (gloo's full-mesh connect)
 peer's address in the store, for the store's whole timeout. So the store the groups form on
 is a `LeavableStore`: every wait for a key polls, and a rank told to leave stops within a
 poll instead of being given up with its in-memory copies.
+
+`join_layout` is the whole join of a rank's set-up, in this order: the rendezvous, the world
+group, the device mesh and the checkpoint's side groups, within the join deadline.
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import threading
 import time
+from dataclasses import dataclass
 
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from raytrain_dt.parallel.device_mesh import build_mesh
+from raytrain_dt.worker.checkpointing import side_groups
+from raytrain_dt.worker.collective_timeout import (
+    join_timeout,
+    restore_world_timeout,
+    set_collective_timeout,
+)
+from raytrain_dt.worker.rank_chaos import die_joining
+from raytrain_dt.worker.spec import RankSpec
 
 # How often a joining rank looks at the counter of arrived peers (and at `leave`).
 JOIN_POLL_S = 0.05
@@ -35,6 +51,42 @@ KEY_POLL_MAX_S = 0.2
 
 class JoinAborted(RuntimeError):
     """The rank was told to leave its layout while its peers were still joining."""
+
+
+@dataclass
+class JoinedLayout:
+    store: dist.Store  # rank 0's server lives as long as this object is held
+    mesh: DeviceMesh
+    checkpoint_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]  # `side_groups`
+
+
+def join_layout(spec: RankSpec, backend: str, device_type: str, leave: threading.Event):
+    """Join `spec`'s layout: meet every peer on the layout's store (within the join deadline,
+    `leave` ending the wait), form the world group on it with `backend`, then the device mesh
+    and the checkpoint's side groups while every peer is known to be there. Collectives get
+    `comm.timeout_s` once the group has formed. Chaos may end the process at "forming" and
+    "joined" (`die_joining`)."""
+    os.environ.update(
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+        RANK=str(spec.rank),
+        WORLD_SIZE=str(spec.world_size),
+    )
+    collective = set_collective_timeout(spec.cfg.comm.timeout_s)
+    joining = join_timeout(collective, spec.join_timeout_s)
+    die_joining(spec.cfg.chaos, spec.rank, "forming")
+    # Every peer is in before the group forms; a teardown meanwhile (`leave`) ends the wait,
+    # and the waits of the groups' formation on this store (`LeavableStore`).
+    store = join_store(
+        spec.master_addr, spec.master_port, spec.rank, spec.world_size, joining, leave
+    )
+    die_joining(spec.cfg.chaos, spec.rank, "joined")
+    dist.init_process_group(
+        backend=backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=joining
+    )
+    restore_world_timeout(collective)
+    mesh = build_mesh(spec.layout.dims, device_type)
+    return JoinedLayout(store, mesh, side_groups())
 
 
 def join_store(
