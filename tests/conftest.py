@@ -108,6 +108,16 @@ def _processes_under(temp_dir: str) -> list[psutil.Process]:
 
 
 @pytest.fixture
+def fresh_actors(ray_cluster):
+    """No rank actor kept warm by an earlier run (conf/test.yaml's `cluster.keep_warm_s`): the
+    test's runs start their own processes, and the cluster's accelerators are all free."""
+    from raytrain_dt.control import warm_actors
+
+    warm_actors.release_kept()
+    return ray_cluster
+
+
+@pytest.fixture
 def restore_nodes(ray_cluster):
     """After the test, the cluster has the two accelerator nodes it started with."""
     from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes

@@ -215,6 +215,26 @@ def host_memory() -> dict[str, int]:
     return {"host_rss_bytes": int(rss), "host_rss_peak_bytes": int(max(rss, peak))}
 
 
+def return_free_host_memory() -> bool:
+    """Give the heap's free pages back to the OS (glibc's malloc_trim): after a layout's model
+    and optimizer are freed, a CPU rank's heap otherwise keeps their pages resident, so an
+    actor waiting for its next layout (or run) would hold the old one's memory. False where
+    there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (musl, macOS)
+        return False
+    trim(0)
+    return True
+
+
 def reset_host_peak() -> bool:
     """Restart the host high-water mark at the current RSS, so that what follows (a layout's
     build and steps) measures its own peak, not an earlier layout's. Linux only (writing 5 to

@@ -219,6 +219,12 @@ class ClusterConfig:
     # else of the driver's environment is passed on: Ray keeps an actor's environment in the GCS
     # and shows it in the dashboard. comm.env sets values of its own.
     forward_env: list[str] = field(default_factory=list)
+    # Seconds a finished run's healthy rank actors stay up for the next run of the same driver
+    # (the Python API called again: a sweep, a notebook), which then skips their start (a
+    # process importing torch: seconds each). They hold their accelerators meanwhile, so 0
+    # (the default) releases them when the run ends. Reused only by a run with the same
+    # resource, CPUs per rank and actor environment.
+    keep_warm_s: float = 0.0
 
 
 @dataclass

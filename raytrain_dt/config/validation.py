@@ -91,6 +91,7 @@ NON_NEGATIVE = (
     "checkpoint.memory_every_steps",
     "elastic.max_restarts",
     "elastic.grow_stable_s",
+    "cluster.keep_warm_s",
     "comm.trace_buffer",
     "model.n_experts",
     "model.moe_ffn_hidden",

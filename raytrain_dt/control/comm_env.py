@@ -31,6 +31,11 @@ log = logging.getLogger(__name__)
 # of being killed (3) and replaced by a fresh process.
 _ABORT_AND_RAISE_ON_NCCL_ERROR = "2"
 
+# The variables that name one run's files. They are read when a process group forms, so an
+# actor kept warm for the driver's next run (`cluster.keep_warm_s`) takes the new run's values
+# then (`RankWorker.rebind`); every other variable must be equal for it to be reused.
+RUN_SCOPED_ENV = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",)
+
 
 def spans_nodes(cfg: TrainConfig, cluster_mode: str) -> bool:
     """May this run's ranks sit on more than one node? (cluster_mode: ClusterHandle.mode)"""

@@ -154,18 +154,23 @@ class Coordinator:
 
     # --- the state machine -------------------------------------------------------------------
     def _run(self, handle: ClusterHandle) -> RunResult:
+        group = RankGroup(
+            str(self.run_dir),
+            handle.accelerator_resource,
+            self.cfg.cluster.cpus_per_rank,
+            runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
+            keep_warm_s=self.cfg.cluster.keep_warm_s,
+        )
+        warm = group.adopt_warm()  # actors this driver's last run kept (`cluster.keep_warm_s`)
         self.begin(
             handle.accelerator_resource,
             RayClusterView(handle.accelerator_resource),
-            RankGroup(
-                str(self.run_dir),
-                handle.accelerator_resource,
-                self.cfg.cluster.cpus_per_rank,
-                runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
-            ),
+            group,
             self.simulated_cluster or handle.simulated,
         )
-        self.recorder.event("connected", mode=handle.mode, ray_start_s=self.ray_start_s)
+        self.recorder.event(
+            "connected", mode=handle.mode, ray_start_s=self.ray_start_s, warm_actors=warm
+        )
         return self.drive()
 
     def drive(self) -> RunResult:

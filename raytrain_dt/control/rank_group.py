@@ -10,7 +10,8 @@ coordinator touches Ray actors; a dead actor shows up in `poll` at once as state
 Starting an actor (a process that imports torch) takes seconds, so actors can also be warmed
 ahead of need (`warm`: a replacement for a dead rank, the ranks of a node that just joined)
 while the group trains; once started they wait `idle`, as do survivors a smaller layout left
-out, until a formation takes them.
+out, until a formation takes them. A driver that trains again may keep the healthy actors of
+a finished run for its next one (`warm_actors`, `cluster.keep_warm_s`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ import time
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from raytrain_dt.control import warm_actors
+from raytrain_dt.control.comm_env import RUN_SCOPED_ENV
 from raytrain_dt.control.group import NODE_DIED, FormationFault, PlacementTimedOut
 from raytrain_dt.control.placement import assign_ranks
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus
@@ -29,6 +32,12 @@ if TYPE_CHECKING:
     from raytrain_dt.worker.spec import RankSpec
 
 log = logging.getLogger(__name__)
+
+# How long a kept actor may take to answer its rebind (torn down and idle, it answers at once;
+# one whose node died answers with an error, not silence).
+REBIND_TIMEOUT_S = 30.0
+# How long a finished run's ranks may take to leave their layout before they are killed.
+END_TEARDOWN_S = 30.0
 
 
 @dataclass
@@ -75,17 +84,24 @@ class StartingActor:
 
 class RankGroup:
     def __init__(
-        self, run_dir: str, resource: str, cpus_per_rank: float, runtime_env: dict | None = None
+        self,
+        run_dir: str,
+        resource: str,
+        cpus_per_rank: float,
+        runtime_env: dict | None = None,
+        keep_warm_s: float = 0.0,
     ):
         self.run_dir = run_dir
         self.resource = resource
         self.cpus_per_rank = cpus_per_rank
         self.runtime_env = runtime_env or {}
+        self.keep_warm_s = keep_warm_s  # `shutdown` keeps healthy actors for the next run
         self.slots: list[ActorSlot] = []  # ordered by rank once `form` has run
         self.idle: list[ActorSlot] = []  # started, in no layout
         self.starting: list[StartingActor] = []
         self.reservations: list[NodeReservation] = []
         self._next_index = 0
+        self._adopted: set[int] = set()  # indices of kept actors no layout has used yet
 
     # --- placement ---------------------------------------------------------------------------
     def _actor_options(self) -> dict:
@@ -274,6 +290,13 @@ class RankGroup:
         ranks = assign_ranks(reports)
         self.slots = [slot for _, slot in sorted(zip(ranks, keep), key=lambda pair: pair[0])]
         self.idle = spare  # healthy and started: kept for a later, larger layout
+        if self._adopted:
+            # Kept actors the first layout leaves out go, as if the run had started its own:
+            # the idle actors a run has are those its own decisions left out.
+            unused = [s for s in self.idle if s.actor_index in self._adopted]
+            self.idle = [s for s in self.idle if s not in unused]
+            self._adopted = set()
+            self._release(unused)
         log.info(
             "rank group: %s (idle: %d, starting: %d)",
             {n[:12]: c for n, c in counts_by_node.items()},
@@ -419,9 +442,80 @@ class RankGroup:
                 ray.util.remove_placement_group(reservation.pg)
 
     def shutdown(self) -> None:
-        actors = [*self.slots, *self.idle, *self.starting]
+        """Let every actor go at the run's end; with `keep_warm_s`, those that leave their
+        layout cleanly are kept for the driver's next run instead (`warm_actors`)."""
+        kept = self._leave_for_next_run() if self.keep_warm_s > 0 else []
+        actors = [a for a in [*self.slots, *self.idle, *self.starting] if a not in kept]
         self.slots, self.idle, self.starting = [], [], []
+        held = {id(slot.pg) for slot in kept}
+        reservations = [r for r in self.reservations if id(r.pg) in held]
+        self.reservations = [r for r in self.reservations if id(r.pg) not in held]
         self._release(actors)
+        if kept:
+            warm_actors.keep(
+                warm_actors.WarmActors(self._warm_key(), kept, reservations), self.keep_warm_s
+            )
+
+    def _leave_for_next_run(self) -> list[ActorSlot]:
+        """The actors that can train another run: the layout's ranks that left it cleanly
+        (`RankWorker.teardown`) and the idle ones."""
+        try:
+            stuck = set(self.teardown(grace_s=2.0, timeout_s=END_TEARDOWN_S, keep_save=False))
+        except Exception:  # the run's own outcome stands; nothing is kept
+            log.exception("the ranks could not leave their layout; no actor is kept warm")
+            return []
+        return [s for rank, s in enumerate(self.slots) if rank not in stuck] + self.idle
+
+    def _warm_key(self) -> tuple:
+        """What a kept actor must share with this group to join it: the Ray job, the resource,
+        the CPUs per rank and the environment it was started with (`warm_actors`)."""
+        import ray
+
+        env = dict(self.runtime_env.get("env_vars") or {})
+        for name in RUN_SCOPED_ENV:
+            env.pop(name, None)
+        rest = {k: v for k, v in self.runtime_env.items() if k != "env_vars"}
+        return (
+            ray.get_runtime_context().get_job_id(),
+            self.resource,
+            self.cpus_per_rank,
+            tuple(sorted(env.items())),
+            repr(sorted(rest.items())),
+        )
+
+    def adopt_warm(self) -> int:
+        """Take the actors a finished run of this driver kept warm, when they match this group
+        (`_warm_key`), as idle actors for the first formation (which lets go those it does not
+        use); release them otherwise. Each is rebound to this run (`RankWorker.rebind`); one
+        that does not answer (its node died) is let go. Returns how many were taken."""
+        import ray
+
+        kept = warm_actors.take()
+        if kept is None:
+            return 0
+        if kept.key != self._warm_key():
+            warm_actors.release(kept)
+            return 0
+        env = self.runtime_env.get("env_vars") or {}
+        run_env = {name: env[name] for name in RUN_SCOPED_ENV if name in env}
+        self.reservations += kept.reservations
+        alive, dead = [], []
+        for slot in kept.slots:
+            index = self._next_index + len(alive)
+            try:
+                ref = slot.handle.rebind.remote(self.run_dir, index, run_env)
+                where = ray.get(ref, timeout=REBIND_TIMEOUT_S)
+            except Exception as exc:
+                log.warning("a warm actor on node %s is gone: %s", slot.node_id[:12], exc)
+                dead.append(slot)
+                continue
+            alive.append(replace(slot, actor_index=index, ip=where["ip"], pid=where["pid"]))
+        self._next_index += len(alive)
+        self.idle += alive
+        self._adopted = {s.actor_index for s in alive}
+        self._release(dead)
+        log.info("took %d warm rank actors from the driver's last run", len(alive))
+        return len(alive)
 
 
 def _started_slot(actor: StartingActor, where: dict) -> ActorSlot:

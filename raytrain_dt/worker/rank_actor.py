@@ -30,6 +30,7 @@ from raytrain_dt.accel.device import (
     ray_device_kind,
     release_accelerator_memory,
     reset_host_peak,
+    return_free_host_memory,
     select_device,
 )
 from raytrain_dt.checkpoint.digests import verify_files
@@ -109,6 +110,7 @@ class RankWorker:
         route_sigterm()  # the constructor runs on the main thread, the methods do not
         self.run_dir = Path(run_dir)
         self.actor_index = actor_index
+        self._log_handler: logging.Handler | None = None
         self.spec: RankSpec | None = None
         self.engine = None
         self.checkpointer: RankCheckpointer | None = None
@@ -134,13 +136,43 @@ class RankWorker:
         self.copies = CopyStore()
         self._copier: PeerCopier | None = None
         self._device = None  # this layout's DeviceSpec (set by `_build`)
-        logs = self.run_dir / "logs"
+        self._log_to(self.run_dir, actor_index)
+
+    def _log_to(self, run_dir: Path, actor_index: int) -> None:
+        """This actor's log: `run_dir/logs/actor_<index>.log`, the run's own."""
+        logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
         handler = logging.FileHandler(logs / f"actor_{actor_index}.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger("raytrain_dt")
+        if self._log_handler is not None:
+            root.removeHandler(self._log_handler)
+            self._log_handler.close()
         root.addHandler(handler)
         root.setLevel(logging.INFO)
+        self._log_handler = handler
+
+    def rebind(self, run_dir: str, actor_index: int, run_env: dict[str, str]) -> dict:
+        """Join another run of the same driver as its actor `actor_index` (a warm actor kept
+        from a finished run: `RankGroup` and `cluster.keep_warm_s`). It was torn down when
+        that run ended; here it forgets the run: its held in-memory copies (generations start
+        again in every run), its reports and its log, and takes the new run's variables that
+        name the run's files (`comm_env.RUN_SCOPED_ENV`, read when a process group forms).
+        Returns `where()`, which also proves it alive."""
+        if self.engine is not None:  # `teardown` releases it
+            raise RuntimeError(f"actor {self.actor_index} is still in a layout; not rebound")
+        self.run_dir, self.actor_index = Path(run_dir), actor_index
+        self._log_to(self.run_dir, actor_index)
+        os.environ.update(run_env)
+        self.copies = CopyStore()
+        self.spec = None
+        self._reports = queue.Queue()
+        self._polls = 0
+        self._training = self._setting_up = None
+        self._error, self._done = None, False
+        self._stop.clear()
+        log.info("actor %d: rebound to run %s", actor_index, run_dir)
+        return self.where()
 
     def _import_lazy_torch_modules(self) -> None:
         started = time.perf_counter()
@@ -497,8 +529,10 @@ class RankWorker:
 
     def _free_old_layout(self) -> None:
         """The old layout's model and optimizer sit in reference cycles (modules and their
-        hooks): a full collection frees them. Then hand their accelerator memory back and
-        restart the peak statistic, so the next layout measures its own."""
+        hooks): a full collection frees them. Then hand their memory back (the heap's free
+        pages, the accelerator's cached blocks) and restart the peak statistic, so the next
+        layout (or run: a warm actor) measures its own."""
         gc.collect()
+        return_free_host_memory()
         if self._device is not None:
             release_accelerator_memory(self._device)

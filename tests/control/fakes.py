@@ -182,6 +182,9 @@ class FakeRankGroup:
     def shutdown(self) -> None:
         self.slots, self.idle, self.starting = [], [], []
 
+    def adopt_warm(self) -> int:
+        return 0  # no driver's earlier run here
+
     def warm(self, node_id: str, count: int) -> None:
         self.starting += [FakeSlot(node_id) for _ in range(count)]
 

@@ -41,8 +41,10 @@ def short_sequences(tmp_path_factory) -> Path:
     return out
 
 
-def test_ranks_build_a_400m_model_without_holding_it(make_config, short_sequences):
+def test_ranks_build_a_400m_model_without_holding_it(fresh_actors, make_config, short_sequences):
+    # Fresh processes (each rank's memory is measured from its idle process), not kept after.
     cfg = make_config(
+        "cluster.keep_warm_s=0",
         *MODEL,
         f"data.path={short_sequences}",
         "data.seq_len=16",

@@ -32,23 +32,23 @@ def _placed_nodes(tmp_path, dims: ParallelDims) -> list[str]:
     [ParallelDims(world_size=4, dp_shard=2, tp=2), ParallelDims(world_size=4, dp_shard=4)],
     ids=["dp2xtp2", "dp4"],
 )
-def test_two_nodes_tp_groups_stay_on_one_node(ray_cluster, tmp_path, dims):
+def test_two_nodes_tp_groups_stay_on_one_node(fresh_actors, tmp_path, dims):
     nodes = _placed_nodes(tmp_path, dims)
     assert len(set(nodes)) == 2
     assert nodes == sorted(nodes)  # ranks follow node ids
     assert tp_groups_on_one_node(dims, nodes)
 
 
-def test_three_nodes_tp_groups_stay_on_one_node(ray_cluster, tmp_path):
-    extra = ray_cluster.add_node(num_cpus=1, resources={SIMULATED_ACCELERATOR: 2})
+def test_three_nodes_tp_groups_stay_on_one_node(fresh_actors, tmp_path):
+    extra = fresh_actors.add_node(num_cpus=1, resources={SIMULATED_ACCELERATOR: 2})
     try:
-        ray_cluster.wait_for_nodes()
+        fresh_actors.wait_for_nodes()
         dims = ParallelDims(world_size=6, dp_shard=3, tp=2)
         nodes = _placed_nodes(tmp_path, dims)
         assert len(set(nodes)) == 3
         assert tp_groups_on_one_node(dims, nodes)
     finally:
-        ray_cluster.remove_node(extra)
+        fresh_actors.remove_node(extra)
 
 
 def test_dp2_tp2_on_two_nodes_equals_single_process(ray_cluster, make_config):
