@@ -223,7 +223,7 @@ class ClusterConfig:
     # (the Python API called again: a sweep, a notebook), which then skips their start (a
     # process importing torch: seconds each). They hold their accelerators meanwhile, so 0
     # (the default) releases them when the run ends. Reused only by a run with the same
-    # resource, CPUs per rank and actor environment.
+    # resource, CPUs per rank, device and actor environment.
     keep_warm_s: float = 0.0
 
 

@@ -160,6 +160,7 @@ class Coordinator:
             self.cfg.cluster.cpus_per_rank,
             runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
             keep_warm_s=self.cfg.cluster.keep_warm_s,
+            device=self.cfg.cluster.device,
         )
         warm = group.adopt_warm()  # actors this driver's last run kept (`cluster.keep_warm_s`)
         self.begin(

@@ -90,12 +90,16 @@ class RankGroup:
         cpus_per_rank: float,
         runtime_env: dict | None = None,
         keep_warm_s: float = 0.0,
+        device: str = "auto",
     ):
         self.run_dir = run_dir
         self.resource = resource
         self.cpus_per_rank = cpus_per_rank
         self.runtime_env = runtime_env or {}
         self.keep_warm_s = keep_warm_s  # `shutdown` keeps healthy actors for the next run
+        # `cluster.device`: a process keeps what its first device set up (autograd's device
+        # queues are sized at its first backward), so kept actors serve the same kind only.
+        self.device = device
         self.slots: list[ActorSlot] = []  # ordered by rank once `form` has run
         self.idle: list[ActorSlot] = []  # started, in no layout
         self.starting: list[StartingActor] = []
@@ -468,7 +472,8 @@ class RankGroup:
 
     def _warm_key(self) -> tuple:
         """What a kept actor must share with this group to join it: the Ray job, the resource,
-        the CPUs per rank and the environment it was started with (`warm_actors`)."""
+        the CPUs per rank, the device setting and the environment it was started with
+        (`warm_actors`)."""
         import ray
 
         env = dict(self.runtime_env.get("env_vars") or {})
@@ -479,6 +484,7 @@ class RankGroup:
             ray.get_runtime_context().get_job_id(),
             self.resource,
             self.cpus_per_rank,
+            self.device,
             tuple(sorted(env.items())),
             repr(sorted(rest.items())),
         )
@@ -499,18 +505,22 @@ class RankGroup:
         env = self.runtime_env.get("env_vars") or {}
         run_env = {name: env[name] for name in RUN_SCOPED_ENV if name in env}
         self.reservations += kept.reservations
+        # Asked together, each answering for itself: a dead one costs no other's answer.
+        first = self._next_index
+        refs = [
+            slot.handle.rebind.remote(self.run_dir, first + i, run_env)
+            for i, slot in enumerate(kept.slots)
+        ]
         alive, dead = [], []
-        for slot in kept.slots:
-            index = self._next_index + len(alive)
+        for i, (slot, ref) in enumerate(zip(kept.slots, refs, strict=True)):
             try:
-                ref = slot.handle.rebind.remote(self.run_dir, index, run_env)
                 where = ray.get(ref, timeout=REBIND_TIMEOUT_S)
             except Exception as exc:
                 log.warning("a warm actor on node %s is gone: %s", slot.node_id[:12], exc)
                 dead.append(slot)
                 continue
-            alive.append(replace(slot, actor_index=index, ip=where["ip"], pid=where["pid"]))
-        self._next_index += len(alive)
+            alive.append(replace(slot, actor_index=first + i, ip=where["ip"], pid=where["pid"]))
+        self._next_index += len(kept.slots)
         self.idle += alive
         self._adopted = {s.actor_index for s in alive}
         self._release(dead)
