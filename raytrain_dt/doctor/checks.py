@@ -42,13 +42,18 @@ class Probes:
 
 
 def start_probes(resource: str, cpus_per_rank: float, max_nodes: int = 8) -> Probes:
-    """Place the probes on distinct accelerator nodes (each pinned to its node)."""
+    """Place the probes on distinct accelerator nodes (each pinned to its node). Rank actors
+    this driver kept warm from an earlier run (`cluster.keep_warm_s`) are released first:
+    they hold the accelerators the probes need."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from raytrain_dt.control import warm_actors
     from raytrain_dt.control.cluster import alive_nodes
     from raytrain_dt.control.rank_group import rank_actor_options
     from raytrain_dt.doctor.collective_probe import CollectiveProbe
+
+    warm_actors.release_kept()
 
     nodes = alive_nodes(resource)[:max_nodes]
     # One node: two ranks on it where it has two accelerators, so a collective still runs.
