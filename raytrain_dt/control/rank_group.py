@@ -19,12 +19,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from raytrain_dt.control import warm_actors
+from raytrain_dt.control.actor_slots import (
+    ActorSlot,
+    NodeReservation,
+    StartingActor,
+    get_all,
+    rank_actor_options,
+    started_slot,
+)
 from raytrain_dt.control.comm_env import RUN_SCOPED_ENV
-from raytrain_dt.control.group import NODE_DIED, FormationFault, PlacementTimedOut
+from raytrain_dt.control.group import FormationFault, PlacementTimedOut
 from raytrain_dt.control.placement import assign_ranks
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus
 
@@ -38,48 +46,6 @@ log = logging.getLogger(__name__)
 REBIND_TIMEOUT_S = 30.0
 # How long a finished run's ranks may take to leave their layout before they are killed.
 END_TEARDOWN_S = 30.0
-
-
-@dataclass
-class ActorSlot:
-    handle: object
-    node_id: str
-    actor_index: int
-    ip: str
-    pg: object
-    bundle_index: int
-    pid: int = 0  # the actor's worker process
-
-
-def rank_actor_options(resource: str, cpus_per_rank: float) -> dict:
-    """Ray resources of one rank actor: one accelerator (a GPU, or the simulated resource) and
-    its share of CPUs; a whole CPU where the CPU is the accelerator."""
-    if resource == "CPU":
-        return {"num_cpus": 1}
-    if resource == "GPU":
-        return {"num_gpus": 1, "num_cpus": cpus_per_rank}
-    return {"num_cpus": cpus_per_rank, "resources": {resource: 1}}
-
-
-@dataclass
-class NodeReservation:
-    """One placement group on one node; a bundle freed by a dead actor is reused."""
-
-    pg: object
-    node_id: str
-    size: int
-
-
-@dataclass
-class StartingActor:
-    """An actor created ahead of need, until its `where` answers (it has imported torch)."""
-
-    handle: object
-    where: object  # the ObjectRef of its `where` call
-    node_id: str
-    pg: object
-    bundle_index: int
-    since: float
 
 
 class RankGroup:
@@ -191,21 +157,21 @@ class RankGroup:
 
         started = self._start_on_node(node_id, count, timeout_s)
         try:
-            reports = _get_all([a.where for a in started], start_timeout_s, [node_id] * count)
+            reports = get_all([a.where for a in started], start_timeout_s, [node_id] * count)
         except FormationFault:
             # Those that started wait idle for the re-plan; the dead and the rest go.
             doomed = []
             for actor in started:
                 try:
-                    self.idle.append(_started_slot(actor, ray.get(actor.where, timeout=0)))
+                    self.idle.append(started_slot(actor, ray.get(actor.where, timeout=0)))
                 except Exception:  # dead, or not started yet
-                    doomed.append(_started_slot(actor, {"node_id": node_id}))
+                    doomed.append(started_slot(actor, {"node_id": node_id}))
             self._release(doomed)
             raise
         except ray.exceptions.GetTimeoutError:
-            self._release([_started_slot(a, {"node_id": node_id}) for a in started])
+            self._release([started_slot(a, {"node_id": node_id}) for a in started])
             raise
-        return [_started_slot(a, r) for a, r in zip(started, reports)]
+        return [started_slot(a, r) for a, r in zip(started, reports)]
 
     # --- actors warmed ahead of need ---------------------------------------------------------
     def warm(self, node_id: str, count: int) -> None:
@@ -229,7 +195,7 @@ class RankGroup:
                 continue
             try:
                 where = ray.get(actor.where)
-                self.idle.append(_started_slot(actor, where))
+                self.idle.append(started_slot(actor, where))
                 # A slow start here (a process importing torch) is what delays a growth.
                 log.info(
                     "actor %d on node %s up after %.2fs (imported torch by +%.2fs)",
@@ -317,7 +283,7 @@ class RankGroup:
         """Rank 0's address and a free port there; `FormationFault` when rank 0 died, a
         TimeoutError past `timeout_s`."""
         rank0 = self.slots[0]
-        return rank0.ip, _get_all([rank0.handle.free_port.remote()], timeout_s, [rank0.node_id])[0]
+        return rank0.ip, get_all([rank0.handle.free_port.remote()], timeout_s, [rank0.node_id])[0]
 
     def setup(self, specs: list[RankSpec], timeout_s: float | None = None) -> list[dict]:
         """Every rank joins the process group and builds its engine, state and data (a
@@ -366,7 +332,7 @@ class RankGroup:
             getattr(slot.handle, method).remote(*(per_rank_args[rank] if per_rank_args else ()))
             for rank, slot in enumerate(self.slots)
         ]
-        return _get_all(refs, timeout_s, [slot.node_id for slot in self.slots])
+        return get_all(refs, timeout_s, [slot.node_id for slot in self.slots])
 
     def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         """Every rank's status; an actor that died (or whose node died) is state "dead"."""
@@ -526,45 +492,3 @@ class RankGroup:
         self._release(dead)
         log.info("took %d warm rank actors from the driver's last run", len(alive))
         return len(alive)
-
-
-def _started_slot(actor: StartingActor, where: dict) -> ActorSlot:
-    return ActorSlot(
-        actor.handle,
-        where["node_id"],
-        where.get("actor_index", -1),
-        where.get("ip", ""),
-        actor.pg,
-        actor.bundle_index,
-        where.get("pid", 0),
-    )
-
-
-def _get_all(refs: list, timeout_s: float | None, nodes: list[str]) -> list:
-    """The results of `refs` (calls on actors on `nodes`), waited for together: `FormationFault` as
-    soon as one actor is dead (not after the others: survivors of a formation may wait on the
-    dead one in a collective), a TimeoutError (Ray's GetTimeoutError) past `timeout_s`."""
-    import ray
-
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    pending = list(refs)
-    while pending:
-        left = None if deadline is None else max(0.0, deadline - time.monotonic())
-        ready, pending = ray.wait(pending, num_returns=1, timeout=left)
-        if not ready:
-            raise ray.exceptions.GetTimeoutError(
-                f"{len(pending)} of {len(refs)} calls not answered within {timeout_s:.0f}s"
-            )
-        try:
-            ray.get(ready)
-        except (ray.exceptions.RayActorError, ray.exceptions.RayTaskError) as exc:
-            node = nodes[next(i for i, ref in enumerate(refs) if ref == ready[0])]
-            died = isinstance(exc, ray.exceptions.RayActorError)
-            lines = [line for line in str(exc).splitlines() if line.strip()] or [""]
-            # An actor's death says so first; a raised call ends with its exception.
-            raise FormationFault(
-                f"{type(exc).__name__} on node {node[:12]}: {lines[0 if died else -1].strip()}",
-                frozenset({node} if NODE_DIED in str(exc) else ()),
-                actor_died=died,
-            ) from exc
-    return ray.get(refs)

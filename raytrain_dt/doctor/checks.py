@@ -49,8 +49,8 @@ def start_probes(resource: str, cpus_per_rank: float, max_nodes: int = 8) -> Pro
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from raytrain_dt.control import warm_actors
+    from raytrain_dt.control.actor_slots import rank_actor_options
     from raytrain_dt.control.cluster import alive_nodes
-    from raytrain_dt.control.rank_group import rank_actor_options
     from raytrain_dt.doctor.collective_probe import CollectiveProbe
 
     warm_actors.release_kept()
