@@ -126,6 +126,8 @@ def run(
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from raytrain_dt.control.cluster import SIMULATED_SYSTEM_CONFIG
+
     os.environ.update(START_TIMEOUT_ENV)
     ray.cloudpickle.register_pickle_by_value(ray_train_elastic)
     scratch.mkdir(parents=True, exist_ok=True)
@@ -143,7 +145,7 @@ def run(
             "num_cpus": 4,
             "include_dashboard": False,
             "temp_dir": temp_dir,
-            "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+            "_system_config": SIMULATED_SYSTEM_CONFIG,  # as raytrain-dt's simulated cluster
         },
     )
     workers = [cluster.add_node(**node_args) for _ in range(2)]

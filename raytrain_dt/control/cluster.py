@@ -24,6 +24,23 @@ log = logging.getLogger(__name__)
 # The resource that stands for an accelerator on the embedded CPU instance.
 SIMULATED_ACCELERATOR = "accelerator"
 
+# Ray settings of the instances started here (embedded, simulated); a real cluster's nodes get
+# them from their `ray start` (see cluster.yaml).
+# - Ray kills a worker process that has been idle for 1 s whenever its node runs more workers
+#   than it has CPUs, and it counts the rank actors. On a small node (a simulated one declares
+#   one CPU for two ranks), every layout's Ray Data pipelines therefore started new processes,
+#   each paying ~2.3 s of CPU to import Ray Data while the ranks train or re-form beside it.
+#   Idle ones now wait 10 minutes for the next pipeline; they are bounded by the most tasks the
+#   run ever had at once, since an idle worker is reused before a new one starts.
+# - A lost raylet is noticed in ~1.5 s instead of Ray's default ~15 s (simulated nodes), so a
+#   killed node is reported dead before the coordinator re-plans without it.
+OWN_INSTANCE_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}
+SIMULATED_SYSTEM_CONFIG = {
+    **OWN_INSTANCE_SYSTEM_CONFIG,
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 3,
+}
+
 
 @dataclass
 class ClusterHandle:
@@ -77,6 +94,7 @@ def connect(cluster: ClusterConfig, temp_dir: str | None = None) -> Iterator[Clu
             include_dashboard=False,
             log_to_driver=False,
             _temp_dir=temp_dir,
+            _system_config=OWN_INSTANCE_SYSTEM_CONFIG,
             configure_logging=False,
         )
         try:
@@ -111,9 +129,7 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
         # fixed default (52365) is taken by any other Ray on the machine, and an agent that
         # cannot bind spends seconds retrying before the raylet's 15 s wait for it runs out.
         "dashboard_agent_listen_port": None,
-        # Notice a lost raylet in ~1.5 s instead of Ray's default ~15 s, so a killed simulated
-        # node is reported dead before the coordinator re-plans without it.
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 3},
+        "_system_config": SIMULATED_SYSTEM_CONFIG,
     }
     if temp_dir:
         head_args["temp_dir"] = temp_dir

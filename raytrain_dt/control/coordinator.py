@@ -422,11 +422,15 @@ class Coordinator:
             return self.recovery.on_formation_fault(exc)
         except NoRoomForLayout as exc:  # capacity went since the decision: re-plan
             log.warning("%s: re-planning", exc)
+            # The group has left the old layout (above): the plan starts from no layout, or
+            # the policy would keep the old one and the loop would watch an empty group.
+            run.left_layout()
             return Deciding("failed" if isinstance(state, Restarting) else "ok")
         except PlacementTimedOut as exc:
             if not run.formed:
                 raise  # the first layout does not fit the cluster: the user's to fix
             # A node that held ranks cannot host them again in time: re-plan without it.
+            run.left_layout()
             bench_s = self.cfg.elastic.grow_stable_s + self.cfg.cluster.placement_timeout_s
             return self.recovery.on_placement_timeout(exc, bench_s, isinstance(state, Restarting))
         except FormationTimedOut as exc:

@@ -386,6 +386,8 @@ class RankGroup:
             except Exception as exc:
                 lines = str(exc).strip().splitlines() or [""]
                 answer = f"{type(exc).__name__}: {lines[-1].strip()}"
+                if isinstance(exc, ray.exceptions.RayTaskError):  # our code raised: where
+                    log.warning("rank %d: %s raised:\n%s", rank, method, str(exc).strip())
             if answer is not None:
                 # Why an actor is given up (replaced, with its in-memory copies) is worth a line.
                 log.warning("rank %d: %s failed (%s)", rank, method, answer)

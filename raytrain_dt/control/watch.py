@@ -99,7 +99,8 @@ class GroupWatch:
         if broken:
             return self.recovery.on_failure("failed", broken)
         run.last_healthy = time.perf_counter()
-        if all(s.state == "done" for s in statuses):
+        # Every rank of a formed group is done (an empty group has trained nothing).
+        if statuses and all(s.state == "done" for s in statuses):
             return Finished(run.step)
         bound = self.deadlines.hang_bound(saving=bool(self.tracker.in_flight))
         if time.time() - run.last_progress > bound.seconds:

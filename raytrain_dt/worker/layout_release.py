@@ -55,10 +55,12 @@ def forget_layout_caches() -> None:
     caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]
     for name, module in list(sys.modules.items()):
         if name.startswith("torch.distributed.tensor") and module is not None:
-            for value in vars(module).values():
+            # Snapshots (`list`): another thread of the actor (a copy, the data start) may
+            # import a module meanwhile, which adds to these dicts.
+            for value in list(vars(module).values()):
                 caches.append(value)
                 if isinstance(value, type):  # cached static methods, e.g. MeshTopoInfo's
-                    caches.extend(getattr(value, attr, None) for attr in vars(value))
+                    caches.extend(getattr(value, attr, None) for attr in list(vars(value)))
     for cached in caches:
         clear = getattr(cached, "cache_clear", None)
         if callable(clear) and not isinstance(cached, type):

@@ -324,6 +324,30 @@ def test_a_notice_checkpoints_at_the_next_boundary_then_shrinks(start, source):
     assert isinstance(advance_until(coordinator, Finished), Finished)
 
 
+def test_a_node_gone_between_a_drains_decision_and_its_formation_is_re_planned(start):
+    """A notice on c drains the group, which re-plans onto a and b; b is gone before the
+    formation (no room for the plan any more). The group has left its layout: the run
+    re-plans from no layout onto a and trains every step, instead of watching an empty group
+    (whose ranks, all zero of them, are "done") and ending early."""
+    coordinator, cluster, group = start(("a", "b", "c"), "trainer.global_batch=12")
+    advance_until(coordinator, Running)
+    train_to(coordinator, 5)
+    group.notice(5, "sigterm")  # a rank on c
+    advance_until(coordinator, Draining, max_iterations=20)
+    state = coordinator.advance()
+    assert isinstance(state, Resizing) and state.decision.nodes == ("a", "b")
+    drained_at = coordinator.step
+    cluster.node_ids.remove("b")
+    state = coordinator.advance()  # no room on b: re-planned from no layout, at once
+    assert isinstance(state, Resizing) and state.decision.nodes == ("a",)
+    assert state.decision.reason.startswith("start:")
+    assert isinstance(coordinator.advance(), Running)
+    assert group.formations[-1] == {"a": 2}
+    assert events(coordinator, "resize")[-1]["resumed_step"] == drained_at
+    assert isinstance(advance_until(coordinator, Finished), Finished)
+    assert coordinator.step == 12
+
+
 def test_new_capacity_is_used_once_stable(start):
     coordinator, cluster, group = start(("a",), "elastic.grow_stable_s=0.3")
     advance_until(coordinator, Running)
