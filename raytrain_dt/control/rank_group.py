@@ -436,7 +436,10 @@ class RankGroup:
         except Exception:  # the run's own outcome stands; nothing is kept
             log.exception("the ranks could not leave their layout; no actor is kept warm")
             return []
-        return [s for rank, s in enumerate(self.slots) if rank not in stuck] + self.idle
+        kept = [s for rank, s in enumerate(self.slots) if rank not in stuck] + self.idle
+        for slot in kept:  # their freed heap back to the OS meanwhile (`RankWorker.park`)
+            slot.handle.park.remote()
+        return kept
 
     def _warm_key(self) -> tuple:
         """What a kept actor must share with this group to join it: the Ray job, the resource,

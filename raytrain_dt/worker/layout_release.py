@@ -53,16 +53,26 @@ def forget_layout_caches() -> None:
 
     propagator = DTensor._op_dispatcher.sharding_propagator
     caches = [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]
-    for name, module in list(sys.modules.items()):
+    for name, module in _snapshot(sys.modules):
         if name.startswith("torch.distributed.tensor") and module is not None:
-            # Snapshots (`list`): another thread of the actor (a copy, the data start) may
-            # import a module meanwhile, which adds to these dicts.
-            for value in list(vars(module).values()):
+            for _, value in _snapshot(vars(module)):
                 caches.append(value)
                 if isinstance(value, type):  # cached static methods, e.g. MeshTopoInfo's
-                    caches.extend(getattr(value, attr, None) for attr in list(vars(value)))
+                    caches.extend(getattr(value, attr, None) for attr, _ in _snapshot(vars(value)))
     for cached in caches:
         clear = getattr(cached, "cache_clear", None)
         if callable(clear) and not isinstance(cached, type):
             with contextlib.suppress(TypeError):  # a per-instance cache seen on its class
                 clear()
+
+
+def _snapshot(mapping, attempts: int = 100) -> list[tuple]:
+    """The items of a dict that other threads of the actor may change meanwhile: the data
+    pipeline's start imports modules (adding to `sys.modules` and to their packages' dicts)
+    while a teardown runs, and even a C-level copy can be interrupted by a garbage collection
+    whose finalisers let that thread run ("dictionary changed size during iteration", which
+    failed a survivor's teardown and had it replaced). A changed dict is read again."""
+    for _ in range(attempts - 1):
+        with contextlib.suppress(RuntimeError):
+            return list(mapping.items())
+    return list(mapping.items())

@@ -514,6 +514,12 @@ class RankWorker:
         self._torch_thread.submit(self._free_old_layout)
         return True
 
+    def park(self) -> bool:
+        """Kept warm for the driver's next run (`RankGroup.shutdown`), after `teardown`: give
+        the heap's freed pages back to the OS, so an actor waiting for a run does not hold its
+        last model's memory. On the torch thread, after the old layout is freed."""
+        return self._torch_thread.submit(return_free_host_memory).result()
+
     def _release_layout(self) -> None:
         if self._copier is not None:
             self._copier.close()
@@ -529,10 +535,10 @@ class RankWorker:
 
     def _free_old_layout(self) -> None:
         """The old layout's model and optimizer sit in reference cycles (modules and their
-        hooks): a full collection frees them. Then hand their memory back (the heap's free
-        pages, the accelerator's cached blocks) and restart the peak statistic, so the next
-        layout (or run: a warm actor) measures its own."""
+        hooks): a full collection frees them. Then hand the accelerator's cached blocks back
+        and restart the peak statistic, so the next layout (or run: a warm actor) measures its
+        own. The host heap keeps its freed pages: the next layout, built at once, reuses them
+        instead of faulting in fresh ones (`park` returns them when no layout follows)."""
         gc.collect()
-        return_free_host_memory()
         if self._device is not None:
             release_accelerator_memory(self._device)
