@@ -88,7 +88,9 @@ def test_simulator_replays_a_real_elastic_run(restore_nodes, make_config, tmp_pa
     # cannot place; from the failure on, recovery, growth and the steady steps are the model's.
     events_by_kind = {e["event"]: e for e in reversed(events)}  # the first of each kind
     origin = next(e["time"] for e in events if e["event"] == "first_step")
-    real_fail = events_by_kind["failure"]["time"] - origin
+    # Both timelines start at the fault itself: the simulator's at the node's loss, the run's
+    # `failure` event once it was detected, `detection_s` (from the last healthy poll) later.
+    real_fail = events_by_kind["failure"]["time"] - costs.detection_s - origin
     measured = measured_timeline(result.run_dir)
     measured = {
         "formed": [t - real_fail for t in measured["formed"]],
