@@ -7,8 +7,9 @@ loaded, for the next run, which takes them with their placement-group bundles
 (`RankGroup.adopt_warm`) and rebinds each to itself (`RankWorker.rebind`). Only a run that
 would have started the same actors reuses them: the same Ray job, accelerator resource, CPUs
 per rank, `cluster.device` (a process keeps what its first device set up) and actor
-environment (bar the variables that name one run's files, `comm_env.RUN_SCOPED_ENV`). Otherwise, and once `keep_warm_s` has passed with no run taking
-them, they are released: kept actors hold their accelerators.
+environment (bar the variables that name one run's files, `comm_env.RUN_SCOPED_ENV`).
+Otherwise, and once `keep_warm_s` has passed with no run taking them, they are released: kept
+actors hold their accelerators, and (`RankWorker.park`) no longer their last model's heap.
 
 One set is kept per driver process: the last finished run's.
 """
