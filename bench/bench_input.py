@@ -39,7 +39,7 @@ def drain_rate(repeats: int) -> list[float]:
     import ray
 
     from raytrain_dt.config import load_config
-    from raytrain_dt.data.input_pipeline import DataSlice, iterate_micro_batches
+    from raytrain_dt.data.input_pipeline import DataPlacement, DataSlice, iterate_micro_batches
     from raytrain_dt.data.source import TokenDataset
 
     cfg = load_config(common.RECIPE, common.workload_overrides(PRESET, SEQ_LEN, 1, GLOBAL_BATCH))
@@ -65,7 +65,9 @@ def drain_rate(repeats: int) -> list[float]:
     )
     try:
         for _ in range(repeats):
-            batches = iterate_micro_batches(data, cfg.data.prefetch_batches)
+            batches = iterate_micro_batches(
+                data, cfg.data.prefetch_batches, DataPlacement(cfg.cluster.data_cpus_per_rank)
+            )
             rows = len(next(batches)["sample_id"])  # start-up is not throughput
             started, drained = time.perf_counter(), 0
             for batch in batches:

@@ -203,6 +203,9 @@ class ClusterConfig:
     num_ranks: int | None = None
     # Ray CPUs each rank actor reserves.
     cpus_per_rank: float = 0.5
+    # Ray CPUs reserved with each rank, on its node, for its Ray Data input pipeline's tasks
+    # (in the rank's placement-group bundle, beside cpus_per_rank).
+    data_cpus_per_rank: float = 0.25
     # What the planner assumes per accelerator. Null: read from the cluster (GPU defaults to
     # 80 GB H100s; CPU "accelerators" get the node's Ray memory divided among them).
     memory_per_accelerator_gb: float | None = None

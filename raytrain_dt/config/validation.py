@@ -58,6 +58,7 @@ POSITIVE = (
     "cluster.accelerators_per_node",
     "cluster.num_ranks",
     "cluster.cpus_per_rank",
+    "cluster.data_cpus_per_rank",
     "cluster.memory_per_accelerator_gb",
     "cluster.peak_tflops",
     "cluster.placement_timeout_s",

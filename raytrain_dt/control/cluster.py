@@ -50,10 +50,18 @@ class ClusterHandle:
 
 
 def _embedded_cpus(cluster: ClusterConfig) -> int:
-    # Actors take a fraction of a CPU each; Ray Data tasks need whole logical CPUs to schedule.
+    # Every rank's bundle (its actor's CPUs and its input pipeline's), and room for the driver's
+    # own tasks.
     return max(
-        4, os.cpu_count() or 1, int(cluster.accelerators_per_node * cluster.cpus_per_rank) + 2
+        4,
+        os.cpu_count() or 1,
+        int(cluster.accelerators_per_node * _cpus_per_bundle(cluster)) + 2,
     )
+
+
+def _cpus_per_bundle(cluster: ClusterConfig) -> float:
+    """A rank's reservation: its actor's CPUs and its input pipeline's (`RankGroup._bundle`)."""
+    return cluster.cpus_per_rank + cluster.data_cpus_per_rank
 
 
 def _node_resources(cluster: ClusterConfig, resource: str) -> dict:
@@ -147,7 +155,7 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
 
 def simulated_node_args(cluster: ClusterConfig, resource: str) -> dict:
     """What one simulated worker node declares: a couple of CPUs and its accelerators."""
-    cpus = max(1, int(cluster.accelerators_per_node * cluster.cpus_per_rank + 0.999))
+    cpus = max(1, int(cluster.accelerators_per_node * _cpus_per_bundle(cluster) + 0.999))
     return {"num_cpus": cpus, "resources": {resource: cluster.accelerators_per_node}}
 
 

@@ -161,6 +161,7 @@ class Coordinator:
             runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
             keep_warm_s=self.cfg.cluster.keep_warm_s,
             device=self.cfg.cluster.device,
+            data_cpus_per_rank=self.cfg.cluster.data_cpus_per_rank,
         )
         warm = group.adopt_warm()  # actors this driver's last run kept (`cluster.keep_warm_s`)
         self.begin(

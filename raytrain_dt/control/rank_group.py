@@ -57,10 +57,14 @@ class RankGroup:
         runtime_env: dict | None = None,
         keep_warm_s: float = 0.0,
         device: str = "auto",
+        data_cpus_per_rank: float = 0.0,
     ):
         self.run_dir = run_dir
         self.resource = resource
         self.cpus_per_rank = cpus_per_rank
+        # Reserved in each rank's bundle beside its actor's: its input pipeline's tasks run
+        # there (`data.input_pipeline.DataPlacement`).
+        self.data_cpus_per_rank = data_cpus_per_rank
         self.runtime_env = runtime_env or {}
         self.keep_warm_s = keep_warm_s  # `shutdown` keeps healthy actors for the next run
         # `cluster.device`: a process keeps what its first device set up (autograd's device
@@ -79,7 +83,10 @@ class RankGroup:
 
     def _bundle(self) -> dict:
         options = self._actor_options()
-        bundle = {"CPU": options.get("num_cpus", 0), "GPU": options.get("num_gpus", 0)}
+        bundle = {
+            "CPU": options.get("num_cpus", 0) + self.data_cpus_per_rank,
+            "GPU": options.get("num_gpus", 0),
+        }
         bundle.update(options.get("resources", {}))
         return {k: v for k, v in bundle.items() if v}
 
@@ -455,6 +462,7 @@ class RankGroup:
             ray.get_runtime_context().get_job_id(),
             self.resource,
             self.cpus_per_rank,
+            self.data_cpus_per_rank,
             self.device,
             tuple(sorted(env.items())),
             repr(sorted(rest.items())),

@@ -3,6 +3,9 @@
 Each DP rank gets its own streaming Ray Data pipeline over exactly the positions it must read
 (see `data.order`). Ray Data does the reading in its own tasks and prefetches, so the train
 step only pops ready micro-batches. Order is preserved, which the exactly-once guarantee needs.
+The tasks run in the rank's own placement group, on its node, on `data.cpus_per_rank` CPUs
+reserved there with the rank (`DataPlacement`): the batches never cross the network, and the
+pipeline never waits for a share of the cluster that other pipelines hold.
 TP and PP peers of one DP rank build identical pipelines and so see identical batches. Each row
 carries `real`: False for a padding row of a layout whose DP degree does not divide the global
 batch (see `data.order.rank_rows`).
@@ -10,6 +13,8 @@ batch (see `data.order.rank_rows`).
 
 from __future__ import annotations
 
+import threading
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -60,40 +65,153 @@ class DataSlice:
         return self.rows(start, stop)[0]
 
 
+# The column of row numbers that `_fetch` reads.
+ROW_COLUMN = "row"
+
+
+@dataclass(frozen=True)
+class DataPlacement:
+    """Where a rank's pipeline tasks run and on how many CPUs: `placement_group` is the rank's
+    own (None outside one: Ray's default scheduling)."""
+
+    cpus: float
+    placement_group: object | None = None
+
+    @classmethod
+    def of_this_actor(cls, cpus: float) -> DataPlacement:
+        from ray.util import get_current_placement_group
+
+        return cls(cpus, get_current_placement_group())
+
+
 def _fetch(batch: dict[str, np.ndarray], data: DataSlice) -> dict[str, np.ndarray]:
-    rows = batch["id"]
+    rows = batch[ROW_COLUMN]
     positions, real = data.rows(int(rows[0]), int(rows[-1]) + 1)
     ids = sample_ids(positions, data.dataset.num_samples, data.shuffle_seed)
     return {"position": positions, "sample_id": ids, "tokens": data.dataset.read(ids), "real": real}
 
 
-def iterate_micro_batches(data: DataSlice, prefetch_batches: int) -> Iterator[dict]:
+def _fetch_runs(runs: dict[str, np.ndarray], data: DataSlice) -> dict[str, np.ndarray]:
+    """`_fetch` of consecutive runs of row numbers, given as their bounds."""
+    return _fetch({ROW_COLUMN: np.arange(runs["start"][0], runs["stop"][-1])}, data)
+
+
+class PipelineStop:
+    """Stops a pipeline's Ray Data executor from another thread.
+
+    Ray Data shuts an executor down when its iteration ends. A layout that is left mid-stream
+    (a failure, a resize) must stop its pipelines itself: otherwise they go on starting worker
+    processes and reading for ranks that no longer exist, on the CPU the next layout's set-up
+    needs (measured: three workers started for a dead layout inside a rank death's recovery).
+    The executor is created when the pipeline is first read and starts with its first output
+    read, either possibly after `stop`: a stopped pipeline then reads nothing (`_until_stopped`),
+    and one stopped while its executor starts or runs has it shut down."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._executor = None
+        self.stopped = False
+
+    def attach(self, executor) -> None:
+        with self._lock:
+            self._executor = executor
+            stopped = self.stopped
+        if stopped:
+            self._shut_down(executor)
+
+    def stop(self) -> None:
+        with self._lock:
+            self.stopped = True
+            executor = self._executor
+        self._shut_down(executor)
+
+    @staticmethod
+    def _shut_down(executor) -> None:
+        # Not forced: running tasks are cancelled, their worker processes live on for the next
+        # pipeline. The reader blocked on this executor then sees the end of its stream.
+        if executor is not None:
+            executor.shutdown(force=False)
+
+
+def _stoppable_iterator(ds, stop: PipelineStop):
+    """`ds.iterator()` that hands its executor to `stop` (Ray Data's own iterator, which
+    creates the executor in `_to_ref_bundle_iterator`; internal in ray 2.60)."""
+    from ray.data._internal.iterator.iterator_impl import DataIteratorImpl
+
+    class StoppableIterator(DataIteratorImpl):
+        def _to_ref_bundle_iterator(self):
+            bundles, stats, executor = super()._to_ref_bundle_iterator()
+            stop.attach(executor)
+            return _until_stopped(bundles, stop), stats, executor
+
+    return StoppableIterator(ds)
+
+
+def _until_stopped(bundles: Iterator, stop: PipelineStop) -> Iterator:
+    """The executor's output until `stop`; its executor starts on the first read, which a
+    stopped pipeline never makes."""
+    while not stop.stopped:
+        bundle = next(bundles, None)
+        if bundle is None:
+            return
+        yield bundle
+
+
+def iterate_micro_batches(
+    data: DataSlice,
+    prefetch_batches: int,
+    placement: DataPlacement,
+    stop: PipelineStop | None = None,
+) -> Iterator[dict]:
     """Yield {'position', 'sample_id', 'tokens', 'real'} torch batches of `micro_batch` rows, in
-    order."""
+    order. `stop` (optional) ends the stream early from another thread."""
     import ray.data
 
     ctx = ray.data.DataContext.get_current()
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
-    if data.num_rows == 0:
+    if placement.placement_group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        # Any bundle of the rank's node reservation (each holds its rank's data CPUs). With
+        # both strategies in a placement group, Ray Data budgets the group's bundles, at once,
+        # instead of a share of the cluster granted by its coordinator actor (which starved
+        # concurrent pipelines for tens of seconds on a small cluster).
+        in_group = PlacementGroupSchedulingStrategy(
+            placement.placement_group, placement_group_bundle_index=-1
+        )
+        with warnings.catch_warnings():
+            # Deprecated in ray 2.60 ("Ray Data manages scheduling internally") but still the
+            # one way to that budget; ray is pinned (pyproject.toml).
+            warnings.simplefilter("ignore", DeprecationWarning)
+            ctx.scheduling_strategy = ctx.scheduling_strategy_large_args = in_group
+    if data.num_rows == 0 or (stop is not None and stop.stopped):
         return iter(())
-    # Row i of this rank's stream is an arithmetic function of i, so the source is a plain
-    # range and no position array is shipped; `_fetch` turns each contiguous run into tokens.
+    # Row i of this rank's stream is an arithmetic function of i, so the source is just runs of
+    # row numbers, built here (`from_items` runs no task; `range` and `from_numpy` do, outside
+    # the placement group), and `_fetch_runs` turns each run into tokens.
+    run = max(data.micro_batch, 256)
+    runs = [{"start": i, "stop": min(i + run, data.num_rows)} for i in range(0, data.num_rows, run)]
     blocks = max(1, min(64, data.num_rows // 4096))
-    ds = ray.data.range(data.num_rows, override_num_blocks=blocks)
+    ds = ray.data.from_items(runs, override_num_blocks=blocks)
     ds = ds.map_batches(
-        _fetch,
+        _fetch_runs,
         fn_kwargs={"data": data},
-        batch_size=max(data.micro_batch, 256),
+        # A whole block per call: a task per block, whose reads share one deserialized dataset
+        # (its open files). Smaller bundles made a task, and a reopening of the files, per run.
+        batch_size=None,
         batch_format="numpy",
-        num_cpus=0.25,
+        num_cpus=placement.cpus,
+        # One task at a time: the rank's reserved share (`cluster.data_cpus_per_rank`).
+        compute=ray.data.TaskPoolStrategy(size=1),
     )
     # Ray Data hands over batches of about 256 rows, cut here into micro-batches (views): its
     # per-batch cost (~3 ms on CPU, while the train step holds the GIL) would be a visible share
     # of a short step at one row per micro-batch. Rows per rank are a multiple of micro_batch.
     per_batch = max(1, 256 // data.micro_batch)  # micro-batches per Ray Data batch
-    batches = ds.iter_torch_batches(
+    source = ds if stop is None else _stoppable_iterator(ds, stop)
+    batches = source.iter_torch_batches(
         batch_size=data.micro_batch * per_batch,
         prefetch_batches=-(-prefetch_batches // per_batch),  # at least as many rows ahead
         drop_last=False,

@@ -37,6 +37,7 @@ from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.memory_files import to_wire
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
+from raytrain_dt.data.input_pipeline import DataPlacement
 from raytrain_dt.engines.base import EngineBuild
 from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.engines.optim import scheduled_lr
@@ -44,7 +45,7 @@ from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.worker.checkpointing import RankCheckpointer
-from raytrain_dt.worker.input_stream import open_stream
+from raytrain_dt.worker.input_stream import InputStream
 from raytrain_dt.worker.layout_release import (
     abort_process_groups,
     forget_layout_caches,
@@ -126,6 +127,7 @@ class RankWorker:
         self._torch_thread.submit(self._import_lazy_torch_modules)
         self._training: Future | None = None
         self._setting_up: Future | None = None  # this layout's `_build`, until it returns
+        self._batches: InputStream | None = None  # this layout's input (`_build`)
         self._store = None  # the layout's TCPStore (rank 0 serves it), while in the layout
         self._torch_thread_id = 0  # its ident, for saying where it is stuck
         self._stop = threading.Event()
@@ -219,6 +221,15 @@ class RankWorker:
         self._setting_up = self._torch_thread.submit(self._build, spec)
         return self._setting_up.result()
 
+    @staticmethod
+    def _open_input(spec: RankSpec, start_at_once: bool) -> InputStream:
+        return InputStream(
+            spec.data,
+            spec.cfg.data.prefetch_batches,
+            DataPlacement.of_this_actor(spec.cfg.cluster.data_cpus_per_rank),
+            start_at_once,
+        )
+
     def _build(self, spec: RankSpec) -> dict:
         self._torch_thread_id = threading.get_ident()
         timings: dict[str, float] = {}
@@ -226,6 +237,11 @@ class RankWorker:
         # layout's own (a reused actor's earlier layouts do not count).
         reset_host_peak()
         idle_rss = host_memory()["host_rss_bytes"]
+        run_start = not (spec.resume_from or spec.memory_resume)
+        if run_start:
+            # No recovery waits for this layout's first step: its pipeline starts now, and the
+            # node's Ray Data workers start while the model builds (`input_stream`).
+            self._batches = self._open_input(spec, start_at_once=True)
         t0 = time.perf_counter()
         # The accelerator Ray assigned this actor, not one guessed from the rank.
         device = select_device(
@@ -296,8 +312,9 @@ class RankWorker:
         timings["warm_up_s"] = time.perf_counter() - t_warm
 
         t2 = time.perf_counter()
-        # The first steps are read here while Ray Data's pipeline starts (`input_stream`).
-        self._batches = open_stream(spec.data, spec.cfg.data.prefetch_batches)
+        if not run_start:
+            # The first steps are read here while Ray Data's pipeline starts (`input_stream`).
+            self._batches = self._open_input(spec, start_at_once=False)
         timings["data_start_s"] = time.perf_counter() - t2
         log.info(
             "rank %d/%d ready: %s (%s)",
@@ -526,6 +543,8 @@ class RankWorker:
             self._copier = None
         self.engine = None
         self.checkpointer = None
+        if self._batches is not None:
+            self._batches.close()  # a pipeline still starting would go on for nobody
         self._batches = None
         self._setting_up = None
         if dist.is_initialized():  # not after an abort, which has already dropped every group

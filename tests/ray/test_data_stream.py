@@ -1,33 +1,116 @@
 """Ray Data's stream for one DP rank, read for real from the token dataset: the same rows in
 the same order as the rank's slice computed in-process, in micro-batches, across the larger
-batches Ray Data hands over."""
+batches Ray Data hands over; run in the rank's own placement group on the CPUs reserved there;
+and stopped from another thread when its layout is left."""
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-from raytrain_dt.data.input_pipeline import DataSlice, _fetch, iterate_micro_batches
+from raytrain_dt.data.input_pipeline import (
+    ROW_COLUMN,
+    DataPlacement,
+    DataSlice,
+    PipelineStop,
+    _fetch,
+    iterate_micro_batches,
+)
 from raytrain_dt.data.source import TokenDataset
 
 
-@pytest.mark.parametrize("micro_batch", [1, 3])  # 256- and 255-row Ray Data batches
-def test_stream_yields_the_rank_rows_in_order(ray_cluster, token_data, micro_batch):
-    data = DataSlice(
+def _slice(token_data: str, micro_batch: int, num_steps: int = 100) -> DataSlice:
+    return DataSlice(
         dataset=TokenDataset.open(token_data, 64),
         shuffle_seed=7,
         consumed_samples=12,
-        num_steps=100,
+        num_steps=num_steps,
         global_batch=12,
         dp=2,
         dp_rank=1,
         micro_batch=micro_batch,
     )
-    assert data.num_rows == 600  # more than two Ray Data batches
-    streamed = list(iterate_micro_batches(data, prefetch_batches=2))
-    assert [len(b["tokens"]) for b in streamed] == [micro_batch] * (600 // micro_batch)
-    expected = _fetch({"id": np.arange(data.num_rows)}, data)
+
+
+def _assert_rows_in_order(streamed: list[dict], data: DataSlice) -> None:
+    expected = _fetch({ROW_COLUMN: np.arange(data.num_rows)}, data)
     for key in ("position", "sample_id", "tokens", "real"):
         got = torch.cat([b[key] for b in streamed])
         assert torch.equal(got, torch.as_tensor(expected[key])), key
+
+
+@pytest.mark.parametrize("micro_batch", [1, 3])  # 256- and 255-row Ray Data batches
+def test_stream_yields_the_rank_rows_in_order(ray_cluster, token_data, micro_batch):
+    data = _slice(token_data, micro_batch)
+    assert data.num_rows == 600  # more than two Ray Data batches
+    streamed = list(iterate_micro_batches(data, 2, DataPlacement(0.25)))
+    assert [len(b["tokens"]) for b in streamed] == [micro_batch] * (600 // micro_batch)
+    _assert_rows_in_order(streamed, data)
+
+
+def test_stream_runs_on_the_cpus_reserved_in_the_ranks_placement_group(ray_cluster, token_data):
+    """An actor in a bundle of 0.3 CPUs, 0.1 of them its own, while every other CPU of the
+    cluster is reserved by someone else: the stream completes only if its tasks run in the
+    actor's group, on the 0.2 CPUs left there (a task asking more, a read task's default whole
+    CPU, or a task outside the group, would never be scheduled, and the stream would hang).
+    It streams once before the other CPUs are taken: Ray Data's own actors start then."""
+    import ray
+    from ray._private.state import available_resources_per_node
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0.1)
+    class Rank:
+        def stream(self, data: DataSlice) -> list[dict]:
+            placement = DataPlacement.of_this_actor(0.2)
+            assert placement.placement_group is not None
+            return list(iterate_micro_batches(data, 2, placement))
+
+    own = placement_group([{"CPU": 0.3}])
+    ray.get(own.ready(), timeout=60)
+    rank = Rank.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(own, placement_group_bundle_index=0)
+    ).remote()
+    data = _slice(token_data, 2)
+    _assert_rows_in_order(ray.get(rank.stream.remote(data), timeout=120), data)
+    free = [r["CPU"] for r in available_resources_per_node().values() if r.get("CPU", 0) > 0]
+    others = placement_group([{"CPU": cpus} for cpus in free], strategy="STRICT_SPREAD")
+    ray.get(others.ready(), timeout=60)
+    try:
+        _assert_rows_in_order(ray.get(rank.stream.remote(data), timeout=120), data)
+    finally:
+        ray.kill(rank)
+        remove_placement_group(others)
+        remove_placement_group(own)
+
+
+def test_a_stopped_stream_ends_in_order_and_one_stopped_before_it_starts_is_empty(
+    ray_cluster, token_data
+):
+    """`PipelineStop.stop` from another thread: mid-stream, the executor is shut down and the
+    stream ends with what was already fetched, a prefix of the rank's rows in order; before the
+    first read (a layout left while its pipeline starts), the executor created by that read is
+    shut down as it attaches, and the stream is empty."""
+    data = _slice(token_data, 4, num_steps=400)  # 2,400 rows
+    stop = PipelineStop()
+    stream = iterate_micro_batches(data, 2, DataPlacement(0.25), stop)
+    first = next(stream)
+    stopper = threading.Thread(target=stop.stop)
+    stopper.start()
+    stopper.join(timeout=30)
+    assert not stopper.is_alive() and stop._executor._shutdown
+    rest = list(stream)
+    rows = 4 * (1 + len(rest))
+    assert rows <= data.num_rows
+    _assert_rows_in_order([first, *rest], _slice(token_data, 4, num_steps=rows // 6))
+
+    for stopped_before_first_read in (True, False):
+        late = PipelineStop()
+        if stopped_before_first_read:
+            late.stop()
+        stream = iterate_micro_batches(data, 2, DataPlacement(0.25), late)
+        late.stop()  # the executor is created by the first read
+        assert list(stream) == []

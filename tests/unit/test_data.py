@@ -85,7 +85,7 @@ def test_ledger_lists_only_real_samples_once(token_data):
 
     import torch
 
-    from raytrain_dt.data.input_pipeline import DataSlice, _fetch
+    from raytrain_dt.data.input_pipeline import ROW_COLUMN, DataSlice, _fetch
     from raytrain_dt.engines.base import StepResult
     from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 
@@ -105,7 +105,8 @@ def test_ledger_lists_only_real_samples_once(token_data):
     for r in range(dp):
         data = DataSlice(dataset, seed, 16, steps, g, dp, r, micro, slots=micro * accum)
         rows = [
-            _fetch({"id": np.arange(i, i + micro)}, data) for i in range(0, data.num_rows, micro)
+            _fetch({ROW_COLUMN: np.arange(i, i + micro)}, data)
+            for i in range(0, data.num_rows, micro)
         ]
         batches = iter([{k: torch.as_tensor(v) for k, v in b.items()} for b in rows])
         spec = LoopSpec(1, 1 + steps, 16, g, accum, 64, 0, False, True)

@@ -10,7 +10,7 @@ from concurrent.futures import Future
 import numpy as np
 import pytest
 
-from raytrain_dt.data.input_pipeline import DataSlice, _fetch
+from raytrain_dt.data.input_pipeline import ROW_COLUMN, DataSlice, _fetch
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.worker.input_stream import _chain
 
@@ -18,15 +18,17 @@ from raytrain_dt.worker.input_stream import _chain
 def _micro_batches(data: DataSlice) -> list[dict]:
     """What the pipeline yields for `data`: its rows in micro-batches, in order."""
     return [
-        _fetch({"id": np.arange(i, min(i + data.micro_batch, data.num_rows))}, data)
+        _fetch({ROW_COLUMN: np.arange(i, min(i + data.micro_batch, data.num_rows))}, data)
         for i in range(0, data.num_rows, data.micro_batch)
     ]
 
 
+@pytest.mark.parametrize("start_at_once", [False, True])
 @pytest.mark.parametrize("ready_after", [0, 4, 7, 1000])
-def test_the_hand_over_keeps_every_row_once_in_order(token_data, ready_after):
+def test_the_hand_over_keeps_every_row_once_in_order(token_data, ready_after, start_at_once):
     """`ready_after`: micro-batches the bridge has read when the pipeline is ready (0: before
-    the first; 1000: never during the run)."""
+    the first; 1000: never during the run). `start_at_once`: a run's first layout starts its
+    pipeline before anything is read; any other, after the first step."""
     dataset = TokenDataset.open(token_data, 64)
     data = DataSlice(dataset, 7, 24, 6, 8, 2, 1, 2)  # 6 steps of 4 rows: 12 micro-batches
     bridge_rows = 2 * data.rows_per_step
@@ -38,14 +40,14 @@ def test_the_hand_over_keeps_every_row_once_in_order(token_data, ready_after):
         requested_after.append(len(got))
         return pipeline
 
-    stream = _chain(data, bridge_rows, start_pipeline)
     got: list[dict] = []
+    stream = _chain(data, bridge_rows, start_pipeline, start_pipeline() if start_at_once else None)
     for pulled in range(data.num_rows // data.micro_batch):
         if pulled == ready_after:
             pipeline.set_result(iter(_micro_batches(rest)))
         got.append(next(stream))
     # Started once, after the first step's two micro-batches (it must not slow that step).
-    assert requested_after == [2]
+    assert requested_after == ([0] if start_at_once else [2])
     if not pipeline.done():
         pipeline.set_result(iter(_micro_batches(rest)))
     assert next(stream, None) is None
