@@ -3,9 +3,9 @@
 Each DP rank gets its own streaming Ray Data pipeline over exactly the positions it must read
 (see `data.order`). Ray Data does the reading in its own tasks and prefetches, so the train
 step only pops ready micro-batches. Order is preserved, which the exactly-once guarantee needs.
-The tasks run in the rank's own placement group, on its node, on `data.cpus_per_rank` CPUs
-reserved there with the rank (`DataPlacement`): the batches never cross the network, and the
-pipeline never waits for a share of the cluster that other pipelines hold.
+The tasks run in the rank's own placement group, on its node, on the CPUs reserved there with
+the rank (`cluster.data_cpus_per_rank`, `DataPlacement`): the batches never cross the network,
+and the pipeline never waits for a share of the cluster that other pipelines hold.
 TP and PP peers of one DP rank build identical pipelines and so see identical batches. Each row
 carries `real`: False for a padding row of a layout whose DP degree does not divide the global
 batch (see `data.order.rank_rows`).
@@ -13,6 +13,7 @@ batch (see `data.order.rank_rows`).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import warnings
 from collections.abc import Iterator
@@ -91,9 +92,15 @@ def _fetch(batch: dict[str, np.ndarray], data: DataSlice) -> dict[str, np.ndarra
     return {"position": positions, "sample_id": ids, "tokens": data.dataset.read(ids), "real": real}
 
 
-def _fetch_runs(runs: dict[str, np.ndarray], data: DataSlice) -> dict[str, np.ndarray]:
-    """`_fetch` of consecutive runs of row numbers, given as their bounds."""
-    return _fetch({ROW_COLUMN: np.arange(runs["start"][0], runs["stop"][-1])}, data)
+def _fetch_runs(
+    runs: dict[str, np.ndarray], data: DataSlice, rows_per_fetch: int
+) -> Iterator[dict[str, np.ndarray]]:
+    """`_fetch` of runs of row numbers, given as their bounds, `rows_per_fetch` rows at a time:
+    a task's memory is bounded by that, not by its run."""
+    for start, stop in zip(runs["start"], runs["stop"], strict=True):
+        for first in range(int(start), int(stop), rows_per_fetch):
+            rows = np.arange(first, min(first + rows_per_fetch, int(stop)))
+            yield _fetch({ROW_COLUMN: rows}, data)
 
 
 class PipelineStop:
@@ -188,23 +195,20 @@ def iterate_micro_batches(
             ctx.scheduling_strategy = ctx.scheduling_strategy_large_args = in_group
     if data.num_rows == 0 or (stop is not None and stop.stopped):
         return iter(())
-    # Row i of this rank's stream is an arithmetic function of i, so the source is just runs of
-    # row numbers, built here (`from_items` runs no task; `range` and `from_numpy` do, outside
-    # the placement group), and `_fetch_runs` turns each run into tokens.
-    run = max(data.micro_batch, 256)
-    runs = [{"start": i, "stop": min(i + run, data.num_rows)} for i in range(0, data.num_rows, run)]
+    # Row i of this rank's stream is an arithmetic function of i, so the source is just one run
+    # of row numbers per block, built here (`from_items` runs no task; `range` and `from_numpy`
+    # do, outside the placement group), and `_fetch_runs` turns each run into tokens.
     blocks = max(1, min(64, data.num_rows // 4096))
+    bounds = [data.num_rows * i // blocks for i in range(blocks + 1)]
+    runs = [{"start": a, "stop": b} for a, b in itertools.pairwise(bounds)]
     ds = ray.data.from_items(runs, override_num_blocks=blocks)
     ds = ds.map_batches(
         _fetch_runs,
-        fn_kwargs={"data": data},
-        # A whole block per call: a task per block, whose reads share one deserialized dataset
-        # (its open files). Smaller bundles made a task, and a reopening of the files, per run.
-        batch_size=None,
+        fn_kwargs={"data": data, "rows_per_fetch": max(data.micro_batch, 256)},
+        batch_size=1,  # a run per call, a task per block: its reads share the opened files
         batch_format="numpy",
+        # In the rank's group, as many at once as its node's ranks reserved (their bundles).
         num_cpus=placement.cpus,
-        # One task at a time: the rank's reserved share (`cluster.data_cpus_per_rank`).
-        compute=ray.data.TaskPoolStrategy(size=1),
     )
     # Ray Data hands over batches of about 256 rows, cut here into micro-batches (views): its
     # per-batch cost (~3 ms on CPU, while the train step holds the GIL) would be a visible share
