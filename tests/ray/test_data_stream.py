@@ -60,7 +60,14 @@ def test_stream_runs_on_the_cpus_reserved_in_the_ranks_placement_group(ray_clust
     import ray
     from ray._private.state import available_resources_per_node
     from ray.util.placement_group import placement_group, remove_placement_group
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    from ray.util.scheduling_strategies import (
+        NodeAffinitySchedulingStrategy,
+        PlacementGroupSchedulingStrategy,
+    )
+
+    @ray.remote
+    class Holder:
+        pass
 
     @ray.remote(num_cpus=0.1)
     class Rank:
@@ -76,14 +83,21 @@ def test_stream_runs_on_the_cpus_reserved_in_the_ranks_placement_group(ray_clust
     ).remote()
     data = _slice(token_data, 2)
     _assert_rows_in_order(ray.get(rank.stream.remote(data), timeout=120), data)
-    free = [r["CPU"] for r in available_resources_per_node().values() if r.get("CPU", 0) > 0]
-    others = placement_group([{"CPU": cpus} for cpus in free], strategy="STRICT_SPREAD")
-    ray.get(others.ready(), timeout=60)
+    # Every other free CPU, node by node, held by an actor pinned there.
+    blockers = [
+        Holder.options(
+            num_cpus=free["CPU"],
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote()
+        for node_id, free in available_resources_per_node().items()
+        if free.get("CPU", 0) > 0
+    ]
+    ray.get([b.__ray_ready__.remote() for b in blockers], timeout=60)
     try:
         _assert_rows_in_order(ray.get(rank.stream.remote(data), timeout=120), data)
     finally:
-        ray.kill(rank)
-        remove_placement_group(others)
+        for actor in [rank, *blockers]:
+            ray.kill(actor)
         remove_placement_group(own)
 
 
