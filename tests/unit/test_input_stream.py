@@ -46,7 +46,8 @@ def test_the_hand_over_keeps_every_row_once_in_order(token_data, ready_after, st
         if pulled == ready_after:
             pipeline.set_result(iter(_micro_batches(rest)))
         got.append(next(stream))
-    # Started once, after the first step's two micro-batches (it must not slow that step).
+    # Started once: before anything is read for a run's first layout, else after the first
+    # step's two micro-batches (it must not slow the step a recovery waits for).
     assert requested_after == ([0] if start_at_once else [2])
     if not pipeline.done():
         pipeline.set_result(iter(_micro_batches(rest)))
