@@ -127,11 +127,18 @@ class RankGroup:
         return reservation
 
     def _start_on_node(
-        self, node_id: str, count: int, timeout_s: float | None
+        self, node_id: str, count: int, timeout_s: float | None, input_workers: bool
     ) -> list[StartingActor]:
+        """Start `count` actors in bundles of the node's reservations (reserving more where
+        needed). `input_workers`: start each one's input worker beside it
+        (`start_input_worker`): for a formation, which waits for its actors anyway, not for
+        actors warmed while the group trains, whose pipelines start their worker after their
+        first step, as on a re-formation (a joining node's ranks then start no more processes
+        than they must before they train)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        from raytrain_dt.data.input_pipeline import start_input_worker
         from raytrain_dt.worker.rank_actor import ACTOR_CONCURRENCY_GROUPS, RankWorker
 
         places = self._free_bundles(node_id)[:count]
@@ -149,6 +156,11 @@ class RankGroup:
                 ),
             ).remote(self.run_dir, self._next_index)
             self._next_index += 1
+            if input_workers and self.data_cpus_per_rank:
+                # Its pipeline's worker process starts now, beside it, not at its first read.
+                start_input_worker(
+                    pg, bundle_index, self.data_cpus_per_rank, self.runtime_env or None
+                )
             started.append(
                 StartingActor(handle, handle.where.remote(), node_id, pg, bundle_index, time.time())
             )
@@ -162,7 +174,7 @@ class RankGroup:
         while starting (those that did start wait `idle`)."""
         import ray
 
-        started = self._start_on_node(node_id, count, timeout_s)
+        started = self._start_on_node(node_id, count, timeout_s, input_workers=True)
         try:
             reports = get_all([a.where for a in started], start_timeout_s, [node_id] * count)
         except FormationFault:
@@ -183,7 +195,7 @@ class RankGroup:
     # --- actors warmed ahead of need ---------------------------------------------------------
     def warm(self, node_id: str, count: int) -> None:
         """Start `count` more actors on the node in the background (see the module's doc)."""
-        self.starting += self._start_on_node(node_id, count, timeout_s=None)
+        self.starting += self._start_on_node(node_id, count, timeout_s=None, input_workers=False)
         log.info("warming %d actors on node %s", count, node_id[:12])
 
     def collect_warm(self, timeout_s: float = 0.0, give_up_s: float = 300.0) -> None:

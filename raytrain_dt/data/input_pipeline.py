@@ -14,6 +14,7 @@ batch (see `data.order.rank_rows`).
 from __future__ import annotations
 
 import itertools
+import os
 import threading
 import warnings
 from collections.abc import Iterator
@@ -83,6 +84,43 @@ class DataPlacement:
         from ray.util import get_current_placement_group
 
         return cls(cpus, get_current_placement_group())
+
+
+def start_input_worker(placement_group, bundle_index: int, cpus: float, runtime_env: dict | None):
+    """Start, beside a rank actor being created in `placement_group`'s bundle, the worker
+    process its pipeline's tasks will run in, and import Ray Data there.
+
+    A pipeline's first task otherwise starts that process when the rank first reads, after the
+    whole group has formed: on a loaded host its start (about 2 CPU-s, Ray Data's imports
+    included) ran on into the first minutes of training, and a failure then found it still
+    competing with its recovery (measured: three of them, 3.6 CPU-s, inside a 3.8 s rank-death
+    recovery on 2 cores). Ray hands an idle worker of the same job and runtime environment to
+    the next task on its node, so `runtime_env` must be the rank actor's own: the pipeline's
+    tasks, submitted by the actor, inherit it. The pipeline runs one task at a time
+    (`iterate_micro_batches`), so this is the only process it uses. Fire-and-forget: nothing
+    waits on it."""
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    return (
+        ray.remote(_import_input_modules)
+        .options(
+            num_cpus=cpus,
+            runtime_env=runtime_env,
+            max_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                placement_group, placement_group_bundle_index=bundle_index
+            ),
+        )
+        .remote()
+    )
+
+
+def _import_input_modules() -> int:
+    """What every task of a pipeline imports first (`_fetch_runs` itself is this module's)."""
+    import ray.data  # noqa: F401
+
+    return os.getpid()
 
 
 def _fetch(batch: dict[str, np.ndarray], data: DataSlice) -> dict[str, np.ndarray]:
@@ -207,8 +245,12 @@ def iterate_micro_batches(
         fn_kwargs={"data": data, "rows_per_fetch": max(data.micro_batch, 256)},
         batch_size=1,  # a run per call, a task per block: its reads share the opened files
         batch_format="numpy",
-        # In the rank's group, as many at once as its node's ranks reserved (their bundles).
+        # In the rank's group, on the CPUs reserved with it, one task at a time: in the
+        # process started beside the rank (`start_input_worker`). More would each start a
+        # process of their own, on a loaded host late, into the training and its recoveries;
+        # one task streams thousands of times what a rank consumes (bench/bench_input.py).
         num_cpus=placement.cpus,
+        compute=ray.data.TaskPoolStrategy(size=1),
     )
     # Ray Data hands over batches of about 256 rows, cut here into micro-batches (views): its
     # per-batch cost (~3 ms on CPU, while the train step holds the GIL) would be a visible share

@@ -1,11 +1,14 @@
 """Ray Data's stream for one DP rank, read for real from the token dataset: the same rows in
 the same order as the rank's slice computed in-process, in micro-batches, across the larger
-batches Ray Data hands over; run in the rank's own placement group on the CPUs reserved there;
-and stopped from another thread when its layout is left."""
+batches Ray Data hands over; run in the rank's own placement group on the CPUs reserved there,
+in the worker process started beside the rank; and stopped from another thread when its
+layout is left."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import uuid
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from raytrain_dt.data.input_pipeline import (
     PipelineStop,
     _fetch,
     iterate_micro_batches,
+    start_input_worker,
 )
 from raytrain_dt.data.source import TokenDataset
 
@@ -128,3 +132,55 @@ def test_a_stopped_stream_ends_in_order_and_one_stopped_before_it_starts_is_empt
         stream = iterate_micro_batches(data, 2, DataPlacement(0.25), late)
         late.stop()  # the executor is created by the first read
         assert list(stream) == []
+
+
+def test_the_stream_starts_no_process_once_its_worker_started_beside_the_rank(
+    ray_cluster, token_data
+):
+    """`start_input_worker`, called as a formation creates the rank actor (`RankGroup`),
+    starts the process the rank's pipeline tasks then run in: streaming starts no process of
+    the rank's runtime environment. That environment has a variable of its own, so no idle
+    worker of another test can serve the stream; without the warm-up, the stream starts one.
+    Ray Data's own actors are started before (by a stream from here), as in a run, where the
+    first pipeline of the cluster starts them."""
+    import psutil
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR
+
+    marker = uuid.uuid4().hex
+    runtime_env = {"env_vars": {"RTDT_INPUT_WORKER_TEST": marker}}
+
+    def processes_of_this_env() -> set[int]:
+        found = set()
+        for process in psutil.process_iter():
+            with contextlib.suppress(psutil.Error):
+                if process.environ().get("RTDT_INPUT_WORKER_TEST") == marker:
+                    found.add(process.pid)
+        return found
+
+    @ray.remote(num_cpus=0.1)
+    class Rank:
+        def stream(self, data: DataSlice) -> list[dict]:
+            return list(iterate_micro_batches(data, 2, DataPlacement.of_this_actor(0.2)))
+
+    data = _slice(token_data, 2)
+    _assert_rows_in_order(list(iterate_micro_batches(data, 2, DataPlacement(0.25))), data)
+    own = placement_group([{"CPU": 0.3, SIMULATED_ACCELERATOR: 1}])  # on a worker node
+    ray.get(own.ready(), timeout=60)
+    rank = Rank.options(
+        runtime_env=runtime_env,
+        scheduling_strategy=PlacementGroupSchedulingStrategy(own, placement_group_bundle_index=0),
+    ).remote()
+    try:
+        worker = ray.get(start_input_worker(own, 0, 0.2, runtime_env), timeout=120)
+        ray.get(rank.__ray_ready__.remote(), timeout=120)
+        started = processes_of_this_env()
+        assert worker in started
+        _assert_rows_in_order(ray.get(rank.stream.remote(data), timeout=120), data)
+        assert processes_of_this_env() == started
+    finally:
+        ray.kill(rank)
+        remove_placement_group(own)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,6 +38,31 @@ def test_read_takes_rows_in_the_order_asked_across_files(tmp_path, monkeypatch):
     everything = ds.read(np.arange(ds.num_samples))
     ids = np.array([30, 2, 17, 9, 2])
     assert np.array_equal(ds.read(ids), everything[ids])
+
+
+def test_the_read_cache_keeps_the_last_used_files_within_its_byte_budget(tmp_path, monkeypatch):
+    """Each file is read once while it stays in the cache; past the budget the least recently
+    used goes first, and the cache holds no more bytes than the budget (beyond the newest)."""
+    from raytrain_dt.data import source
+
+    files = []
+    for i in range(4):
+        path = tmp_path / f"{i}.parquet"
+        rows = pa.array([[i * 100 + r] * 16 for r in range(100)], pa.list_(pa.int32(), 16))
+        pq.write_table(pa.table({"tokens": rows}), path)
+        files.append(str(path))
+    reads = []
+    monkeypatch.setattr(
+        source, "_read_tokens_table", lambda name: reads.append(name) or pq.read_table(name)
+    )
+    one = pq.read_table(files[0]).nbytes
+    cache = source._TableCache(budget_bytes=2 * one + one // 2)  # two files fit, not three
+    for name in (files[0], files[1], files[0], files[2], files[0], files[1]):
+        table = cache.get(name)
+        assert table.column("tokens")[0].as_py()[0] == int(Path(name).stem) * 100
+    # files[1] was the least recently used when files[2] came in, so it alone was read again.
+    assert reads == [files[0], files[1], files[2], files[1]]
+    assert list(cache._tables) == [files[0], files[1]] and cache._bytes <= 2 * one + one // 2
 
 
 def test_global_order_is_a_permutation_per_epoch_and_independent_of_dp():
