@@ -387,6 +387,12 @@ class RankWorker:
         except BaseException:
             self._error = traceback.format_exc()
             log.error("rank %s failed:\n%s", self.spec.rank if self.spec else "?", self._error)
+            # A peer may be blocked in a collective with this rank (gloo cannot be aborted from
+            # the waiting side): aborting this side's groups now makes its wait raise, and the
+            # peer is kept as a survivor. Seen in a gate: a survivor of an HSDP layout, blocked
+            # in a reduce-scatter with a rank whose all-reduce had failed on a lost node, was
+            # still blocked 4 s later and was replaced.
+            abort_process_groups()
 
     def _train_state(self, step: int, consumed: int) -> dict:
         next_lr = scheduled_lr(self.spec.cfg.trainer, step)

@@ -1,5 +1,5 @@
 """No rank holds the whole model: a 400M-parameter decoder trained on 4 ranks with FSDP2 full
-sharding (bf16 mixed precision), through the real run path (Ray actors, events.jsonl, metrics.jsonl).
+sharding, through the real run path (Ray actors, events.jsonl, metrics.jsonl).
 
 Each rank builds the model on the meta device and materializes only its quarter, so the host
 memory it gains while building the model (peak RSS after the build, minus the idle actor's RSS
@@ -54,9 +54,6 @@ def test_ranks_build_a_400m_model_without_holding_it(fresh_actors, make_config, 
         "parallel.pp=1",
         "engine.zero_stage=3",
         "trainer.steps=1",
-        # bf16 compute and collectives over fp32 shards, as on GPUs: the step's all-gathers move
-        # half the bytes (20 s against 28 s here); the build, which the test measures, is fp32.
-        "engine.precision=bf16",
         "trainer.global_batch=4",
         "trainer.warmup_steps=0",
         "checkpoint.every_steps=0",
