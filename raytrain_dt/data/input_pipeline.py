@@ -13,6 +13,7 @@ batch (see `data.order.rank_rows`).
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import threading
@@ -99,11 +100,10 @@ def start_input_worker(placement_group, bundle_index: int, cpus: float, runtime_
     tasks, submitted by the actor, inherit it. The pipeline runs one task at a time
     (`iterate_micro_batches`), so this is the only process it uses. Fire-and-forget: nothing
     waits on it."""
-    import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     return (
-        ray.remote(_import_input_modules)
+        _input_worker_task()
         .options(
             num_cpus=cpus,
             runtime_env=runtime_env,
@@ -114,6 +114,15 @@ def start_input_worker(placement_group, bundle_index: int, cpus: float, runtime_
         )
         .remote()
     )
+
+
+@functools.cache
+def _input_worker_task():
+    """The remote task, made once per process: each `ray.remote` of a function exports it to
+    the cluster again at its first call, once per rank of a formation otherwise."""
+    import ray
+
+    return ray.remote(_import_input_modules)
 
 
 def _import_input_modules() -> int:
