@@ -39,6 +39,16 @@ TEXT_GLOB = str(Path(sysconfig.get_paths()["stdlib"]) / "[je][sm][oa]*" / "*.py"
 HEAVIEST_FIRST = ("ray", "distributed", "control", "unit")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Under `make test` two xdist workers share two cores: torch computing in a worker's own
+    process takes one thread, not both (it runs at nice 0, and would starve the other
+    worker's Ray ranks, which Ray starts at nice 15; see `harness.settle_rank_process`)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        import torch
+
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def weight(item: pytest.Item) -> int:
         top = item.path.relative_to(Path(__file__).parent).parts[0]
@@ -73,7 +83,8 @@ def ray_cluster():
 def _start_session_cluster(temp_dir: str):
     """The simulated cluster, its processes started at a higher CPU priority where this process
     may raise it (root), so that their agents beat the raylets' 15 s wait on a busy machine;
-    once it is up, they run at this process's priority again, as do the ranks they start."""
+    once it is up, they run at this process's priority again. The ranks they start run at
+    Ray's own worker priority (nice 15)."""
     from raytrain_dt.config.schema import ClusterConfig
     from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, start_simulated_cluster
 

@@ -16,6 +16,7 @@ import socket
 
 import pytest
 import torch.multiprocessing as mp
+from harness import settle_rank_process
 
 
 def _free_port() -> int:
@@ -25,6 +26,7 @@ def _free_port() -> int:
 
 
 def _rank(rank: int, port: int, cfg, run_dir: str, out) -> None:
+    settle_rank_process()
     try:
         out.put(_release_after_a_step(rank, port, cfg, run_dir))
     except BaseException:
@@ -50,7 +52,6 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.rank_actor import RankWorker
 
-    torch.set_num_threads(1)
     worker = RankWorker(run_dir, rank)
     layout = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 1)
 
@@ -110,6 +111,7 @@ STEP_S = 5.0  # a step still computing when its rank is told to leave (well past
 
 
 def _leave_mid_step(run_dir: str, out) -> None:
+    settle_rank_process()
     try:
         import time
 

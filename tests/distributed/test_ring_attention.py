@@ -16,6 +16,7 @@ import socket
 import traceback
 
 import pytest
+from harness import settle_rank_process
 
 WORLD = 4
 ATOL, RTOL = 1e-6, 1e-5
@@ -25,6 +26,7 @@ CASES = ((4, 4, 256), (4, 2, 256), (4, 4, 3), (4, 2, 3))
 
 
 def _check_rank(rank: int, port: int, queue) -> None:
+    settle_rank_process()
     try:
         import torch
         import torch.distributed as dist
@@ -33,7 +35,6 @@ def _check_rank(rank: int, port: int, queue) -> None:
         from raytrain_dt.parallel import context_parallel
         from raytrain_dt.parallel.context_parallel import Ring, chunk_positions
 
-        torch.set_num_threads(1)
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
