@@ -44,6 +44,7 @@ from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
+from raytrain_dt.observe.phases import PhaseTimer
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.input_stream import InputStream
 from raytrain_dt.worker.layout_release import (
@@ -491,7 +492,9 @@ class RankWorker:
         Returns False when the torch thread is stuck (in a collective with a dead
         or hung peer): such an actor cannot be reused and the coordinator replaces it.
         Runs in the control concurrency group, beside a set-up that may be waiting."""
+        phases = PhaseTimer()
         self.stop(grace_s)  # `_stop` also ends a set-up's wait for its peers (`join_store`)
+        phases.lap("loop")
         if self.checkpointer is not None and not keep_save:
             self.checkpointer.abandon()
         # A save runs in threads of its own, so it finishes even when the loop is stuck.
@@ -501,6 +504,7 @@ class RankWorker:
                 self.spec.rank if self.spec else "?",
                 save_grace_s,
             )
+        phases.lap("save")
         if self._setting_up is not None and not self._setting_up.done():
             # Told to leave (`_stop`), a set-up still joining returns within a poll of its
             # join; the loop was given its grace by `stop`.
@@ -528,9 +532,16 @@ class RankWorker:
                 self.spec.rank if self.spec else "?",
                 where,
             )
+        phases.lap("set-up and abort")
         if self.notices is not None:
             self.notices.release_sigterm()
         self._torch_thread.submit(self._release_layout).result()
+        phases.lap("release")
+        log.info(
+            "rank %s left its layout in %s",
+            self.spec.rank if self.spec else "?",
+            phases.describe(),
+        )
         # It takes 0.1-0.3 s, so it runs after this call has answered, while the coordinator
         # re-plans and forms; the next set-up runs on the same thread after it, so the old
         # state is gone before the new one is built.
