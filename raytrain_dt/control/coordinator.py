@@ -154,6 +154,9 @@ class Coordinator:
 
     # --- the state machine -------------------------------------------------------------------
     def _run(self, handle: ClusterHandle) -> RunResult:
+        from raytrain_dt.data.input_pipeline import host_data_services_here
+
+        host_data_services_here()  # on the driver's node, not a rank's that may be lost
         group = RankGroup(
             str(self.run_dir),
             handle.accelerator_resource,

@@ -24,6 +24,7 @@ from raytrain_dt.data.input_pipeline import (
     start_input_worker,
 )
 from raytrain_dt.data.source import TokenDataset
+from raytrain_dt.observe.metrics import read_jsonl
 
 
 def _slice(token_data: str, micro_batch: int, num_steps: int = 100) -> DataSlice:
@@ -184,3 +185,39 @@ def test_the_stream_starts_no_process_once_its_worker_started_beside_the_rank(
     finally:
         ray.kill(rank)
         remove_placement_group(own)
+
+
+# Ray Data's cluster-wide actors (name, namespace): its stats and its stats summaries.
+DATA_SERVICES = (
+    ("datasets_stats_actor", "_dataset_stats_actor"),
+    ("dataset_stats_summary_actor", "_dataset_stats_summary_actor"),
+)
+
+
+def test_ray_datas_own_actors_live_on_the_drivers_node(ray_cluster, make_config):
+    """A run creates Ray Data's stats actors on the driver's node (`host_data_services_here`),
+    not on the node of the first rank to read, which a lost node would take with it."""
+    import ray
+    from ray._private import state
+
+    from raytrain_dt.control.coordinator import train
+
+    for name, namespace in DATA_SERVICES:  # as on a cluster where no dataset has run yet
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(name, namespace=namespace))
+    for name, namespace in DATA_SERVICES:
+        while True:  # a killed actor's name is freed asynchronously
+            try:
+                ray.get_actor(name, namespace=namespace)
+            except ValueError:
+                break
+    result = train(make_config("trainer.steps=2"), show_progress=False)
+    assert result.final_step == 2
+    driver_node = ray.get_runtime_context().get_node_id()
+    (start,) = [e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["event"] == "start"]
+    rank_nodes = set(start["node_ids"])
+    assert driver_node not in rank_nodes  # the head node of the simulated cluster
+    for name, namespace in DATA_SERVICES:
+        actor = ray.get_actor(name, namespace=namespace)
+        node = state.actors(actor._actor_id.hex())["Address"]["NodeID"]
+        assert node == driver_node, name
