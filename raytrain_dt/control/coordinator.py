@@ -154,9 +154,6 @@ class Coordinator:
 
     # --- the state machine -------------------------------------------------------------------
     def _run(self, handle: ClusterHandle) -> RunResult:
-        from raytrain_dt.data.input_pipeline import host_data_services_here
-
-        host_data_services_here()  # on the driver's node, not a rank's that may be lost
         group = RankGroup(
             str(self.run_dir),
             handle.accelerator_resource,
@@ -166,6 +163,7 @@ class Coordinator:
             device=self.cfg.cluster.device,
             data_cpus_per_rank=self.cfg.cluster.data_cpus_per_rank,
         )
+        group.host_data_services()  # on the driver's node, not a rank's that may be lost
         warm = group.adopt_warm()  # actors this driver's last run kept (`cluster.keep_warm_s`)
         self.begin(
             handle.accelerator_resource,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -46,6 +47,9 @@ log = logging.getLogger(__name__)
 REBIND_TIMEOUT_S = 30.0
 # How long a finished run's ranks may take to leave their layout before they are killed.
 END_TEARDOWN_S = 30.0
+# How long a first set-up waits for Ray Data's actors to be created on the driver's node (an
+# import and two actor registrations, about 1 s); past it the ranks' pipelines create them.
+DATA_SERVICES_WAIT_S = 30.0
 
 
 class RankGroup:
@@ -76,6 +80,15 @@ class RankGroup:
         self.reservations: list[NodeReservation] = []
         self._next_index = 0
         self._adopted: set[int] = set()  # indices of kept actors no layout has used yet
+        self._data_services: threading.Thread | None = None
+
+    def host_data_services(self) -> None:
+        """Create Ray Data's cluster-wide actors on this, the driver's, node
+        (`host_data_services_here`), while the first formation places and starts its actors;
+        the first `setup`, after which ranks read, waits for it."""
+        from raytrain_dt.data.input_pipeline import host_data_services_here
+
+        self._data_services = host_data_services_here()
 
     # --- placement ---------------------------------------------------------------------------
     def _actor_options(self) -> dict:
@@ -307,6 +320,9 @@ class RankGroup:
     def setup(self, specs: list[RankSpec], timeout_s: float | None = None) -> list[dict]:
         """Every rank joins the process group and builds its engine, state and data (a
         collective); each rank's set-up timings, in rank order."""
+        if self._data_services is not None:
+            self._data_services.join(DATA_SERVICES_WAIT_S)
+            self._data_services = None
         return self._call_all("setup", [(spec,) for spec in specs], timeout_s)
 
     def verify_checkpoint(

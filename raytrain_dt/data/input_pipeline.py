@@ -97,9 +97,9 @@ def host_data_services_here() -> threading.Thread:
     Ray Data pins each one to the node of the first process that runs a dataset, otherwise a
     rank's. When that node is lost, the next pipeline recreates them inside the recovery, a new
     process each that imports Ray Data (measured: 3.4 CPU-s in a 4.5 s node-loss recovery on 2
-    cores), and a pipeline that ends waits for the stats-summary actor to answer. A rank whose
-    first pipeline starts before this thread is done creates them itself, as before. These are
-    Ray Data's internals: missing (another Ray version), this does nothing."""
+    cores), and a pipeline that ends waits for the stats-summary actor to answer. The caller
+    joins the thread before any rank reads (`RankGroup.setup`). These are Ray Data's
+    internals: missing (another Ray version), this does nothing."""
 
     def create() -> None:
         try:

@@ -185,6 +185,9 @@ class FakeRankGroup:
     def adopt_warm(self) -> int:
         return 0  # no driver's earlier run here
 
+    def host_data_services(self) -> None:
+        pass  # no Ray Data here
+
     def warm(self, node_id: str, count: int) -> None:
         self.starting += [FakeSlot(node_id) for _ in range(count)]
 

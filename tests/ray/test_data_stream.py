@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -195,8 +196,9 @@ DATA_SERVICES = (
 
 
 def test_ray_datas_own_actors_live_on_the_drivers_node(ray_cluster, make_config):
-    """A run creates Ray Data's stats actors on the driver's node (`host_data_services_here`),
-    not on the node of the first rank to read, which a lost node would take with it."""
+    """A run creates Ray Data's stats actors on the driver's node (`RankGroup.host_data_services`,
+    which its first set-up waits for), not on the node of the first rank to read, which a lost
+    node would take with it."""
     import ray
     from ray._private import state
 
@@ -205,12 +207,15 @@ def test_ray_datas_own_actors_live_on_the_drivers_node(ray_cluster, make_config)
     for name, namespace in DATA_SERVICES:  # as on a cluster where no dataset has run yet
         with contextlib.suppress(ValueError):
             ray.kill(ray.get_actor(name, namespace=namespace))
+    deadline = time.monotonic() + 30
     for name, namespace in DATA_SERVICES:
         while True:  # a killed actor's name is freed asynchronously
             try:
                 ray.get_actor(name, namespace=namespace)
             except ValueError:
                 break
+            assert time.monotonic() < deadline, f"{name} still named 30 s after it was killed"
+            time.sleep(0.05)
     result = train(make_config("trainer.steps=2"), show_progress=False)
     assert result.final_step == 2
     driver_node = ray.get_runtime_context().get_node_id()
