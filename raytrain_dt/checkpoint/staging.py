@@ -11,7 +11,12 @@ plans and writes them exactly as it would the live state.
 
 With `background=True` the copy itself runs on a staging thread and `stage` returns a future:
 the caller must keep the source tensors unchanged until it resolves (the FSDP2 engine holds its
-optimizer step on it), so the copy overlaps the next step's forward and backward.
+optimizer step on it), so the copy overlaps the next step's forward and backward. On an
+accelerator that overlap needs a stream of its own: a copy queued on the compute stream runs
+between the next step's kernels, in its order, and adds its whole time to the step. So the copy
+goes on a copy stream that first waits for an event recorded on the compute stream when `stage`
+was called (the values as of then), and the staging thread waits for that stream alone, never
+for the device, whose queue holds the next step's work.
 
 Reuse is safe only while no write still reads the buffers: the caller keeps one save in flight
 (`RankCheckpointer.save` waits for the previous one first).
@@ -40,6 +45,7 @@ class ReusableStager(AsyncStager):
         self._one_allocation = one_allocation
         self._staged: Any = None
         self._signature: Any = None
+        self._streams: dict[torch.device, Any] = {}  # accelerator -> its copy stream
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging") if background else None
         )
@@ -54,9 +60,10 @@ class ReusableStager(AsyncStager):
         # as plain local tensors, so the staging thread runs no DTensor code.
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._staged = _refresh(state_dict, self._staged, copies)
+        ready = _record_ready(copies)
         if self._executor is None:
-            return self._copy(copies)
-        return self._executor.submit(self._copy, copies)
+            return self._copy(copies, ready)
+        return self._executor.submit(self._copy, copies, ready)
 
     @property
     def signature(self) -> Any:
@@ -64,14 +71,23 @@ class ReusableStager(AsyncStager):
         before the first `stage`): equal signatures, equal layouts."""
         return self._signature
 
-    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
-        devices = {source.device for _, source in copies if source.device.type != "cpu"}
+    def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], ready: dict) -> dict:
         with torch.no_grad():
             for buffer, source in copies:
-                buffer.copy_(source, non_blocking=source.device.type != "cpu")
-        # Non-blocking device->pinned copies must land before the writer reads the buffers.
-        for device in devices:
-            torch.get_device_module(device.type).synchronize(device)
+                if source.device.type == "cpu":
+                    buffer.copy_(source)
+            for device, event in ready.items():
+                module = torch.get_device_module(device.type)
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = module.Stream(device)
+                stream.wait_event(event)
+                with module.stream(stream):
+                    for buffer, source in copies:
+                        if source.device == device:
+                            buffer.copy_(source, non_blocking=True)
+                # The device->pinned copies must land before the writer reads the buffers.
+                stream.synchronize()
         return self._staged
 
     def synchronize_staging(self) -> None:
@@ -94,6 +110,18 @@ def _signature(obj: Any) -> Any:
         placement = (obj._spec.placements, obj.shape) if isinstance(obj, DTensor) else None
         return (local.shape, local.dtype, local.device.type, placement)
     return type(obj)
+
+
+def _record_ready(copies: list[tuple[torch.Tensor, torch.Tensor]]) -> dict:
+    """Per accelerator among the sources, an event on its current (compute) stream: what the
+    copy stream waits for, so it reads the values as of this call."""
+    ready = {}
+    for device in {source.device for _, source in copies if source.device.type != "cpu"}:
+        module = torch.get_device_module(device.type)
+        event = module.Event()
+        event.record(module.current_stream(device))
+        ready[device] = event
+    return ready
 
 
 def _own_buffer(local: torch.Tensor) -> torch.Tensor:

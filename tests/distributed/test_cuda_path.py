@@ -64,3 +64,30 @@ def test_one_gpu_step_runs_on_the_device(pool, cfg, reference):
     result = pool.run(cfg, _layout(zero=3, dp_shard=1), STEPS, device="cuda")
     assert result.param_device == "cuda"
     assert result.losses == pytest.approx(reference[0], abs=1e-4)
+
+
+@_needs(1)
+def test_a_staged_copy_reads_the_values_of_its_call_and_overlaps_later_compute():
+    """`ReusableStager` on CUDA: the copy waits for the work queued before `stage` (it copies
+    the values as of the call), and not for work queued after it: the next step's kernels on
+    the compute stream run while it copies. Queued on the compute stream, or waiting for the
+    whole device, the copy would resolve only after the later kernel."""
+    from raytrain_dt.checkpoint.staging import ReusableStager
+
+    cycles_per_ms = 1_500_000  # an H100/H200's clock is 1.5-2 GHz
+    source = torch.zeros(64 << 20, device="cuda")  # 256 MB
+    stager = ReusableStager(background=True)
+    stager.stage({"x": source}).result()  # allocates the pinned buffer
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200 * cycles_per_ms)  # work queued before the call ...
+    source.add_(1.0)  # ... whose result the copy must hold
+    staged = stager.stage({"x": source})
+    torch.cuda._sleep(3000 * cycles_per_ms)  # the next step's work, queued after the call
+    later_done = torch.cuda.Event()
+    later_done.record()
+    copied = staged.result(timeout=60)
+    assert not later_done.query(), "the copy waited for compute queued after stage()"
+    assert copied["x"].is_pinned()
+    assert torch.equal(copied["x"], torch.ones(64 << 20)), "the copy read stale values"
+    torch.cuda.synchronize()
+    stager.close()
