@@ -46,20 +46,32 @@ class ReusableStager(AsyncStager):
         self._staged: Any = None
         self._signature: Any = None
         self._streams: dict[torch.device, Any] = {}  # accelerator -> its copy stream
+        # The last state dict's parts (held, so their ids stay theirs) and its (buffer, source)
+        # pairs: staging the same parts again reuses the pairs.
+        self._parts: list[Any] = []
+        self._copies: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._executor = (
             ThreadPoolExecutor(1, thread_name_prefix="checkpoint-staging") if background else None
         )
 
     def stage(self, state_dict: dict) -> dict | Future:
-        signature = _signature(state_dict)
-        if signature != self._signature:  # first save, or the layout changed
-            new_buffer = _Arena(state_dict) if self._one_allocation else _own_buffer
-            self._staged = _allocate(state_dict, new_buffer)
-            self._signature = signature
-        # Plain values (lr, betas, ...) are taken now; tensors are paired with their buffers,
-        # as plain local tensors, so the staging thread runs no DTensor code.
-        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self._staged = _refresh(state_dict, self._staged, copies)
+        parts = list(state_dict.values())
+        if self._copies is not None and _same_objects(parts, self._parts):
+            # The same dicts as last time (an engine's live state, `engines/live_state.py`):
+            # the same tensors, so the same buffers and pairs; only plain values are taken.
+            copies = self._copies
+            self._staged = _refresh(state_dict, self._staged, None)
+        else:
+            signature = _signature(state_dict)
+            if signature != self._signature:  # first save, or the layout changed
+                new_buffer = _Arena(state_dict) if self._one_allocation else _own_buffer
+                self._staged = _allocate(state_dict, new_buffer)
+                self._signature = signature
+            # Plain values (lr, betas, ...) are taken now; tensors are paired with their
+            # buffers, as plain local tensors, so the staging thread runs no DTensor code.
+            copies = []
+            self._staged = _refresh(state_dict, self._staged, copies)
+            self._copies, self._parts = copies, parts
         ready = _record_ready(copies)
         if self._executor is None:
             return self._copy(copies, ready)
@@ -96,7 +108,8 @@ class ReusableStager(AsyncStager):
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        self._staged = self._signature = None
+        self._staged = self._signature = self._copies = None
+        self._parts = []
 
 
 def _signature(obj: Any) -> Any:
@@ -179,8 +192,13 @@ def _allocate(obj: Any, new_buffer) -> Any:
     return DTensor(buffer, obj._spec, requires_grad=False)
 
 
-def _refresh(source: Any, staged: Any, copies: list) -> Any:
-    """`staged` with `source`'s plain values, each tensor's (buffer, source) added to `copies`."""
+def _same_objects(parts: list[Any], previous: list[Any]) -> bool:
+    return len(parts) == len(previous) and all(a is b for a, b in zip(parts, previous))
+
+
+def _refresh(source: Any, staged: Any, copies: list | None) -> Any:
+    """`staged` with `source`'s plain values, each tensor's (buffer, source) added to `copies`
+    (unless None: the pairs are known)."""
     if isinstance(source, dict):
         for key, value in source.items():
             staged[key] = _refresh(value, staged[key], copies)
@@ -188,6 +206,7 @@ def _refresh(source: Any, staged: Any, copies: list) -> Any:
     if isinstance(source, (list, tuple)):
         return type(source)(_refresh(v, target, copies) for v, target in zip(source, staged))
     if isinstance(source, torch.Tensor):
-        copies.append((local_shard(staged), local_shard(source).detach()))
+        if copies is not None:
+            copies.append((local_shard(staged), local_shard(source).detach()))
         return staged
     return source

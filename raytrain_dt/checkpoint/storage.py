@@ -101,6 +101,21 @@ def dcp_writer(uri: str, digests=None):
     return writer
 
 
+def save_planner(layout_key: str):
+    """DCP's default save planner, with its plans cached under `layout_key` (a layout's
+    description: the same key, the same shards on every rank). A later save of the same
+    layout sends no plans between the ranks, and the coordinator builds no global plan: DCP
+    pickles and unpickles one write item per tensor shard for each, which a background write
+    does under the GIL, taken from the training thread (on a GPU, the thread that launches its
+    kernels). A rank whose plan differs from its cached one still sends it, and the
+    coordinator merges it in."""
+    from torch.distributed.checkpoint import DefaultSavePlanner
+
+    planner = DefaultSavePlanner(enable_plan_caching=True)
+    planner._cached_plans_key = f"raytrain_dt:{layout_key}"  # torch keys its cache by class
+    return planner
+
+
 def dcp_reader(uri: str):
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader

@@ -39,9 +39,10 @@ from raytrain_dt.checkpoint.export import model_tensors
 from raytrain_dt.checkpoint.memory_files import CopyReader, load_packed
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
-from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer
+from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer, save_planner
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.grad_norm import clip_gradients
+from raytrain_dt.engines.live_state import LiveStateDicts
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.moe_step import aux_row_weights, check_moe_layout, reduce_router_stats
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
@@ -260,6 +261,7 @@ class FSDP2Engine:
     # a save and an in-memory copy were staged from the same step).
     _staging: list[Future] | None = None
     _staging_hook = None
+    _live_state: LiveStateDicts | None = None  # the copies' state dicts, built once
 
     def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
         """`digests`: records each file this rank writes, hashed as written. `storage_writer`
@@ -268,6 +270,7 @@ class FSDP2Engine:
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
             storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
+            planner=self._save_planner(),
         )
 
     def save_async(
@@ -290,9 +293,13 @@ class FSDP2Engine:
             storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
             process_group=process_group,
             async_stager=self._stager,
+            planner=self._save_planner(),
         )
         self._hold_optimizer_until(response.staging_completion)
         return response.upload_completion
+
+    def _save_planner(self):
+        return save_planner(f"{self.layout.describe()} world={dist.get_world_size()}")
 
     def _hold_optimizer_until(self, staged: Future) -> None:
         if self._staging_hook is None:
@@ -313,7 +320,9 @@ class FSDP2Engine:
         """Copy model and optimizer shards into `stager`'s host buffers on its thread (an
         in-memory copy, `worker/peer_copies.py`); the next optimizer step waits for the copy,
         as for an async save. Returns the future of the staged state dict."""
-        model_sd, optim_sd = self._state_dicts()
+        if self._live_state is None:
+            self._live_state = LiveStateDicts(self.model, self.optimizer, self._state_dicts)
+        model_sd, optim_sd = self._live_state()
         staged = stager.stage({"model": model_sd, "optim": optim_sd})
         self._hold_optimizer_until(staged)
         return staged
