@@ -8,8 +8,9 @@ beside the step. The dicts it returns hold the live tensors (sharded parameters 
 states, updated in place by the optimizer step), so after the first call only their plain
 values can go stale: the param groups' (the scheduled lr) and any non-tensor optimizer state.
 `LiveStateDicts` finds where each plain value lives in the optimizer once, and each call reads
-those values again. Where it cannot place one (an optimizer whose state it does not know), it
-falls back to `get_state_dict` on every call.
+those values again, and builds the dicts again if the optimizer's state was replaced (a load).
+Where it cannot place a value (an optimizer whose state it does not know), it falls back to
+`get_state_dict` on every call.
 """
 
 from __future__ import annotations
@@ -33,13 +34,25 @@ class LiveStateDicts:
     ) -> None:
         """`fresh`: the engine's own (model, flat optimizer) state dicts, as it saves them."""
         self._fresh = fresh
-        model_sd, optim_sd = fresh()
-        self._sources = _plain_value_sources(model, optimizer, optim_sd)
+        self._model, self._optimizer = model, optimizer
+        self._build()
+
+    def _build(self) -> None:
+        model_sd, optim_sd = self._fresh()
+        self._sources = _plain_value_sources(self._model, self._optimizer, optim_sd)
         self._dicts = (model_sd, optim_sd)
+        # A loaded optimizer state (`Optimizer.load_state_dict`) replaces both objects, and
+        # with them every state tensor the dicts hold.
+        self._built_on = (self._optimizer.state, self._optimizer.param_groups)
 
     def __call__(self) -> tuple[dict, dict]:
         if self._sources is None:
             return self._fresh()
+        state, groups = self._built_on
+        if self._optimizer.state is not state or self._optimizer.param_groups is not groups:
+            self._build()
+            if self._sources is None:
+                return self._dicts
         model_sd, optim_sd = self._dicts
         for key, source, name in self._sources:
             optim_sd[key] = source[name]

@@ -1,6 +1,7 @@
 """The copies' live state dicts (`engines/live_state.py`, used by `FSDP2Engine.stage_copy`)
-equal torch's `get_state_dict` after every step, the scheduled lr included, and the staged copy
-of every step holds that step's values, through the stager's reuse of its buffer pairs."""
+equal torch's `get_state_dict` after every step, the scheduled lr included, and after a load
+that replaced the optimizer's state; the staged copy of every step holds that step's values,
+through the stager's reuse of its buffer pairs."""
 
 from __future__ import annotations
 
@@ -68,6 +69,8 @@ def test_live_state_dicts_equal_get_state_dict_after_every_step(engine):
     stager = ReusableStager(background=True, one_allocation=True)
     lrs = []
     for step in range(1, 4):
+        if step == 2:  # a load replaces every optimizer state tensor: the dicts follow
+            engine.optimizer.load_state_dict(engine.optimizer.state_dict())
         tokens = torch.randint(0, SHAPE.vocab_size, (1, SEQ_LEN), generator=generator)
         engine.train_step([tokens], step)
         model_sd, optim_sd = live()
