@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import posixpath
+import uuid
 from dataclasses import dataclass
 
 import fsspec
@@ -101,19 +102,44 @@ def dcp_writer(uri: str, digests=None):
     return writer
 
 
-def save_planner(layout_key: str):
-    """DCP's default save planner, with its plans cached under `layout_key` (a layout's
-    description: the same key, the same shards on every rank). A later save of the same
-    layout sends no plans between the ranks, and the coordinator builds no global plan: DCP
+def save_planner(key: str):
+    """DCP's default save planner, with its plans cached under `key`. A later save under the
+    same key sends no plans between the ranks, and the coordinator builds no global plan: DCP
     pickles and unpickles one write item per tensor shard for each, which a background write
     does under the GIL, taken from the training thread (on a GPU, the thread that launches its
-    kernels). A rank whose plan differs from its cached one still sends it, and the
-    coordinator merges it in."""
+    kernels).
+
+    torch keeps the caches in its process, and a rank whose local plan equals the one it cached
+    sends none: the coordinator must then hold that rank's plan under the same key. That holds
+    only for saves among the same ranks, so the key must be one process group's own, never a
+    layout's: an actor kept into a new formation, or a warm one in another run, would otherwise
+    send nothing to a coordinator that never saw its plan. `new_plan_key` makes one per engine,
+    and `forget_save_plans` drops it with the engine.
+    """
     from torch.distributed.checkpoint import DefaultSavePlanner
 
     planner = DefaultSavePlanner(enable_plan_caching=True)
-    planner._cached_plans_key = f"raytrain_dt:{layout_key}"  # torch keys its cache by class
+    planner._cached_plans_key = key  # torch keys its cache by the planner's class name
     return planner
+
+
+def new_plan_key(layout_description: str) -> str:
+    """A key for `save_planner`, unique to one engine (one process group)."""
+    return f"raytrain_dt {layout_description} {uuid.uuid4().hex}"
+
+
+def forget_save_plans(key: str) -> None:
+    """Drop what DCP cached under `key` (its engine is gone)."""
+    from torch.distributed.checkpoint.planner import SavePlanner
+
+    for name in (
+        "_cached_save_plan",
+        "_cached_final_save_plan",
+        "_cached_all_plans",
+        "_cached_global_plan",
+        "_cached_metadata",
+    ):
+        getattr(SavePlanner, name, {}).pop(key, None)
 
 
 def dcp_reader(uri: str):

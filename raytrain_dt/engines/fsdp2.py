@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import weakref
 from concurrent.futures import Future
 
 import torch
@@ -39,7 +40,13 @@ from raytrain_dt.checkpoint.export import model_tensors
 from raytrain_dt.checkpoint.memory_files import CopyReader, load_packed
 from raytrain_dt.checkpoint.record import check_fits, tensor_shapes
 from raytrain_dt.checkpoint.staging import ReusableStager
-from raytrain_dt.checkpoint.storage import dcp_reader, dcp_writer, save_planner
+from raytrain_dt.checkpoint.storage import (
+    dcp_reader,
+    dcp_writer,
+    forget_save_plans,
+    new_plan_key,
+    save_planner,
+)
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.grad_norm import clip_gradients
 from raytrain_dt.engines.live_state import LiveStateDicts
@@ -262,6 +269,7 @@ class FSDP2Engine:
     _staging: list[Future] | None = None
     _staging_hook = None
     _live_state: LiveStateDicts | None = None  # the copies' state dicts, built once
+    _plan_key: str | None = None  # DCP's cached save plans (`checkpoint.storage.save_planner`)
 
     def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
         """`digests`: records each file this rank writes, hashed as written. `storage_writer`
@@ -299,7 +307,10 @@ class FSDP2Engine:
         return response.upload_completion
 
     def _save_planner(self):
-        return save_planner(f"{self.layout.describe()} world={dist.get_world_size()}")
+        if self._plan_key is None:  # this engine's own: its process group's (`save_planner`)
+            self._plan_key = new_plan_key(self.layout.describe())
+            weakref.finalize(self, forget_save_plans, self._plan_key)
+        return save_planner(self._plan_key)
 
     def _hold_optimizer_until(self, staged: Future) -> None:
         if self._staging_hook is None:

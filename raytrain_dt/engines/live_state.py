@@ -39,7 +39,10 @@ class LiveStateDicts:
 
     def _build(self) -> None:
         model_sd, optim_sd = self._fresh()
-        self._sources = _plain_value_sources(self._model, self._optimizer, optim_sd)
+        try:
+            self._sources = _plain_value_sources(self._model, self._optimizer, optim_sd)
+        except Exception:  # a model or optimizer whose names torch's helper cannot map
+            self._sources = None
         self._dicts = (model_sd, optim_sd)
         # A loaded optimizer state (`Optimizer.load_state_dict`) replaces both objects, and
         # with them every state tensor the dicts hold.
