@@ -12,7 +12,7 @@ write it, once per buffer layout (`copy_metadata`): every copy of that layout re
 
 `CopyReader` merges the owners' metadata into one (chunks of replicated tensors once), so
 DCP's load planner reshards the union onto any new layout exactly as it reshards a durable
-checkpoint, and serves each read straight from the held tensors (narrowed to the chunk's
+checkpoint (each rank planning its own reads, with no collective), and serves each read straight from the held tensors (narrowed to the chunk's
 requested slice). The copies come from `fetch(owner)`: the caller decides where each owner's
 copy is (this process, or a peer holding it).
 
@@ -33,6 +33,7 @@ import dataclasses
 import io
 import warnings
 from collections.abc import Callable
+from copy import deepcopy
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -218,7 +219,13 @@ def load_packed(state_dict: dict, reader: CopyReader) -> dict:
     ]
     packed.update(dict.fromkeys(object_keys))  # placeholders: read as bytes items
     planner = _PackedLoadPlanner()
-    dcp.load(packed, storage_reader=reader, planner=planner)
+    # Each rank plans and reads alone (`no_dist`): every rank already has every owner's
+    # metadata (it is in the copies), so DCP's collective planning would only gather all
+    # ranks' read plans to rank 0 and scatter them back, an O(world x tensors) exchange on
+    # one rank that the slowest rank's set-up holds up.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(packed, storage_reader=reader, planner=planner, no_dist=True)
     saved = planner.objects  # every owner's (a pipeline stage's own parameters, say)
     missing = [k for k, v in flat.items() if not _is_item(v) and k not in saved]
     if missing:
@@ -229,14 +236,18 @@ def load_packed(state_dict: dict, reader: CopyReader) -> dict:
 
 class _PackedLoadPlanner(DefaultLoadPlanner):
     """Collects the owners' non-tensor leaves (`dcp.load` hands a plain value back only into a
-    dict of its own, not the caller's)."""
+    dict of its own, not the caller's). `CopyReader` hands each owner's dict over as it is
+    held (`take_objects`): DCP's bytes interface would `torch.save` it and load it back."""
 
     def __init__(self):
         super().__init__(flatten_state_dict=False)
         self.objects: dict = {}
 
+    def take_objects(self, objects: dict) -> None:
+        self.objects.update(objects)
+
     def load_bytes(self, read_item, value) -> None:
-        self.objects.update(torch.load(value, weights_only=False))
+        self.take_objects(torch.load(value, weights_only=False))
 
 
 class CopyReader(StorageReader):
@@ -269,6 +280,11 @@ class CopyReader(StorageReader):
             owner, key = storage[item.storage_index]
             held = self.copy_of(owner)
             if item.type == LoadItemType.BYTE_IO:
+                if isinstance(planner, _PackedLoadPlanner):
+                    # A copy of them: the optimizer steps its 0-dim counts in place, and the
+                    # held copy must stay as it was taken.
+                    planner.take_objects(deepcopy(held.objects))
+                    continue
                 stream = io.BytesIO()  # a few scalars: the planner's bytes interface
                 torch.save(held.objects, stream)
                 stream.seek(0)

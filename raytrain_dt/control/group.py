@@ -99,7 +99,6 @@ class RankGroupLike(Protocol):
         self,
         grace_s: float,
         timeout_s: float = 30.0,
-        ranks: list[int] | None = None,
         keep_save: bool = True,
         return_s: float = 0.0,
     ) -> list[int]: ...

@@ -339,16 +339,15 @@ class RankGroup:
         self,
         grace_s: float,
         timeout_s: float = 30.0,
-        ranks: list[int] | None = None,
         keep_save: bool = True,
         return_s: float = 0.0,
     ) -> list[int]:
-        """Every rank (or these `ranks`) leaves its layout (`RankWorker.teardown`; `keep_save`
-        False: a durable save in flight is abandoned; `return_s`: for a loop whose collectives
+        """Every rank leaves its layout (`RankWorker.teardown`; `grace_s`: for its loop to end
+        at a step boundary before its communicators are aborted; `keep_save` False: a durable save in flight is abandoned; `return_s`: for a loop whose collectives
         were aborted to return, at least the actor's own floor); the ranks that cannot be
         reused (stuck, dead or silent)."""
         args = (grace_s, keep_save, return_s)
-        return self._try_call_all("teardown", timeout_s, args, ranks, CONTROL_GROUP)
+        return self._try_call_all("teardown", timeout_s, args, CONTROL_GROUP)
 
     def request_checkpoint_and_stop(
         self, timeout_s: float = 30.0, memory_only: bool = False
@@ -400,19 +399,16 @@ class RankGroup:
         method: str,
         timeout_s: float = 30.0,
         args: tuple = (),
-        ranks: list[int] | None = None,
         concurrency_group: str | None = None,
     ) -> list[int]:
-        """Call `method(*args)` on every rank (or these `ranks`; in the actor's
-        `concurrency_group`), tolerating dead ones; returns the ranks that failed (raised,
-        timed out, or answered False)."""
+        """Call `method(*args)` on every rank (in the actor's `concurrency_group`), tolerating
+        dead ones; returns the ranks that failed (raised, timed out, or answered False)."""
         import ray
 
-        ranks = list(range(self.world_size)) if ranks is None else ranks
         options = {"concurrency_group": concurrency_group} if concurrency_group else {}
         refs = {
             rank: getattr(self.slots[rank].handle, method).options(**options).remote(*args)
-            for rank in ranks
+            for rank in range(self.world_size)
         }
         failed = []
         for rank, ref in refs.items():

@@ -48,29 +48,28 @@ class Recovery:
     # The steps of the durable saves still in flight (the formed layout's checkpoint tracker).
     saves_in_flight: Callable[[], set[int]] = set
 
-    def leave_layout(self, ended: list[int] | None = None, keep_save: bool = True) -> None:
+    def leave_layout(self, failed: bool = False, keep_save: bool = True) -> None:
         """Tear the group's actors down (they stay for the next layout), collect the reports
         of saves that finished meanwhile (they decide what is committed), and let go of the
-        actors that cannot be reused (hung or dead). `ended`: ranks whose loop has ended
-        (failed): they leave first, closing their connections, so that a survivor blocked in
-        a collective waiting on one of them returns (gloo cannot be aborted; a closed
-        connection ends its wait at once) and is kept. `keep_save` False: a durable save in
-        flight is abandoned, not waited for (`_drop_dead_then_leave`)."""
-        # A loop still running after LEAVE_FLOOR_S is blocked (in a collective with a dead or
-        # hung peer) or mid-step: its communicators are aborted, and it has a step to return
-        # (`Deadlines.leave_bound`), so a survivor of a slow step is kept, not replaced as stuck.
-        grace_s, return_s = LEAVE_FLOOR_S, self.deadlines.leave_bound().seconds
+        actors that cannot be reused (hung or dead). `failed`: the layout is broken (a rank
+        failed or died): no rank's step in progress can finish, so each aborts its
+        communicators at once instead of first giving its loop a grace to reach a step
+        boundary. `keep_save` False: a durable save in flight is abandoned, not waited for
+        (`_drop_dead_then_leave`)."""
+        # A planned leave (after a drain) gives a loop still running LEAVE_FLOOR_S to end at a
+        # step boundary. After it, or at once on a failure, a loop still running is blocked (in
+        # a collective with a dead or hung peer: on NCCL it would stay blocked until the abort)
+        # or mid-step: its communicators are aborted, so it raises at its next collective, and
+        # it has a step to return (`Deadlines.leave_bound`), so a survivor of a slow step is
+        # kept, not replaced as stuck. Every rank leaves in the same round: a rank whose loop
+        # failed has already aborted its own groups (`RankWorker._run`), which closed its
+        # connections and released any peer blocked on it.
+        grace_s = 0.0 if failed else LEAVE_FLOOR_S
+        return_s = self.deadlines.leave_bound().seconds
         # The teardown call's own bound: the loop's grace, a set-up's, the aborted loop's
         # return, a save in flight (`RankWorker.teardown`), and the freeing.
         timeout_s = TEARDOWN_FIXED_S + 2 * grace_s + return_s
-        ended = ended or []
-        rest = [r for r in range(self.group.world_size) if r not in ended]
-        broken = []
-        for ranks in (ended, rest):
-            if ranks:
-                broken += self.group.teardown(
-                    grace_s, timeout_s, ranks=ranks, keep_save=keep_save, return_s=return_s
-                )
+        broken = self.group.teardown(grace_s, timeout_s, keep_save=keep_save, return_s=return_s)
         self.absorb(self.group.poll())
         self.group.drop(sorted(broken))
         self.run.group_left = True
@@ -105,8 +104,8 @@ class Recovery:
         if health == "hung":  # threads stuck in a collective cannot be reused: replace all
             self.group.drop(list(range(self.group.world_size)))
         else:  # dead ones go; survivors are torn down now, so the plan counts only reusable ones
-            # A survivor still "running" once the failure has settled is blocked in a
-            # collective with a peer whose loop ended: those leave first (`leave_layout`).
+            # A survivor still "running" once the failure has settled is mid-step, or blocked
+            # in a collective with a peer that failed or died: it aborts at once.
             self._drop_dead_then_leave(broken)
         run.incident.left_layout(time.perf_counter() - leaving)
         run.left_layout()
@@ -161,14 +160,10 @@ class Recovery:
         return Deciding("failed" if restarting else "ok")
 
     def _drop_dead_then_leave(self, broken: list[RankStatus]) -> None:
-        """Let the dead ranks go, then tear the rest down, those whose loop or call failed
-        first (`leave_layout`). A rank that was only slow to answer a poll (a loaded host) is
-        torn down like any survivor: the teardown, not a poll's time-out, says whether it
-        can be reused."""
-        dead = [s.rank for s in broken if s.state == "dead"]
-        self.group.drop(dead)
-        # Ranks shift down past the dropped ones.
-        ended = [s.rank - sum(d < s.rank for d in dead) for s in broken if s.state == "failed"]
+        """Let the dead ranks go, then tear the rest down at once (`leave_layout`, failed). A
+        rank that was only slow to answer a poll (a loaded host) is torn down like any
+        survivor: the teardown, not a poll's time-out, says whether it can be reused."""
+        self.group.drop([s.rank for s in broken if s.state == "dead"])
         # A durable save still being written holds every survivor for up to its write time;
         # where the surviving in-memory copies are as new, the resume will not need it.
         live = live_actors([*self.group.slots, *self.group.idle])
@@ -178,7 +173,7 @@ class Recovery:
             log.info(
                 "saves in flight %s abandoned: newer in-memory copies survive", sorted(in_flight)
             )
-        self.leave_layout(ended=ended, keep_save=not superseded)
+        self.leave_layout(failed=True, keep_save=not superseded)
 
     def settle(
         self, broken: list[RankStatus], wait_s: float = 5.0, quiet_s: float = 0.3

@@ -268,7 +268,7 @@ def load_from_copies(
     actor_index: int,
     uri: str,
 ) -> dict[str, float]:
-    """Load the state of `source` into this layout (collective, as a checkpoint load) and
+    """Load the state of `source` into this layout (each rank reads alone: no collective) and
     restore this rank's RNG from the old rank of the same number; bytes read per source."""
     fetched = {"local_bytes": 0.0, "peer_bytes": 0.0}
 

@@ -80,7 +80,7 @@ class FakeRankGroup:
         self.survivor_raises_first = False
         # The next `form` finds no room on this node within the placement time-out.
         self.placement_times_out_on: str | None = None
-        self.torn_down: list[list[int] | None] = []  # the ranks of each `teardown` call
+        self.torn_down: list[list[int]] = []  # the ranks of each `teardown` call
         # Each `teardown` call's (grace before the abort, time to return after it).
         self.teardown_times: list[tuple[float, float]] = []
         # Seconds between the steps' reported finishing times (None: the wall clock's).
@@ -161,11 +161,10 @@ class FakeRankGroup:
         self,
         grace_s: float,
         timeout_s: float = 30.0,
-        ranks: list[int] | None = None,
         keep_save: bool = True,
         return_s: float = 0.0,
     ) -> list[int]:
-        self.torn_down.append(ranks)
+        self.torn_down.append(list(range(len(self.slots))))
         self.teardown_times.append((grace_s, return_s))
         return []
 

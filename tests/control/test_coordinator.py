@@ -13,6 +13,7 @@ from raytrain_dt.config import load_config
 from raytrain_dt.config.schema import ElasticConfig
 from raytrain_dt.control import watch
 from raytrain_dt.control.coordinator import Coordinator
+from raytrain_dt.control.deadlines import LEAVE_FLOOR_S
 from raytrain_dt.control.group import PlacementTimedOut
 from raytrain_dt.control.policies import capacity_request
 from raytrain_dt.control.recovery import lost_with_node
@@ -198,15 +199,17 @@ def test_a_dead_rank_is_replaced_in_the_background_and_grown_back_to(start, monk
     assert isinstance(coordinator.advance(), Resizing)
     assert isinstance(coordinator.advance(), Running)
     assert group.formations[-1] == {"a": 2, "b": 2} and not group.idle and not group.starting
+    # The failure's teardown aborted at once; the planned one gave each loop the floor's
+    # grace to end at its step boundary first.
+    assert [grace for grace, _ in group.teardown_times] == [0.0, LEAVE_FLOOR_S]
     grown = events(coordinator, "resize")[-1]
     assert grown["lost_steps"] == 0 and grown["resumed_step"] == coordinator.step
     assert isinstance(advance_until(coordinator, Finished), Finished)
 
 
-def test_a_rank_death_keeps_every_survivor_and_tears_the_failed_down_first(start):
+def test_a_rank_death_keeps_every_survivor_and_tears_them_down_at_once(start):
     """Four ranks, one dies: the three survivors are kept (none replaced) and trained on at
-    world size 3; the ranks whose loop failed leave their layout first (their closed
-    connections free a peer still blocked in a collective), and the resize names the kept
+    world size 3; they all leave their layout in one round, and the resize names the kept
     and the new actors."""
     coordinator, _, group = start(("a", "b"))
     advance_until(coordinator, Running)
@@ -214,7 +217,7 @@ def test_a_rank_death_keeps_every_survivor_and_tears_the_failed_down_first(start
     before = [s.actor_index for s in group.slots]
     group.kill_rank(1)
     assert isinstance(coordinator.advance(), Restarting)
-    # The dead rank dropped, the three that failed (ranks 0, 1, 2 now) torn down first.
+    # The dead rank dropped, the three survivors (ranks 0, 1, 2 now) torn down together.
     assert group.dropped == 1 and group.torn_down == [[0, 1, 2]]
     assert isinstance(coordinator.advance(), Running)
     (resize,) = events(coordinator, "resize")
@@ -226,17 +229,18 @@ def test_a_rank_death_keeps_every_survivor_and_tears_the_failed_down_first(start
 
 
 def test_survivors_of_slow_steps_have_a_step_to_leave(start):
-    """Steps of 7 s (a large model's): a survivor told to leave after a rank death gets 2 s to
-    reach its step boundary, then its communicators are aborted and it has the measured step
-    (the p99 of the layout's intervals) to return before it is given up as stuck, not a fixed
-    2 s: a survivor mid-step is kept, with its in-memory copies."""
+    """Steps of 7 s (a large model's): a survivor told to leave after a rank death has its
+    communicators aborted at once (its step cannot finish: no grace to reach a step boundary;
+    on NCCL a survivor blocked on the dead rank would wait for the abort), and it has the
+    measured step (the p99 of the layout's intervals) to return before it is given up as
+    stuck, not a fixed 2 s: a survivor mid-step is kept, with its in-memory copies."""
     coordinator, _, group = start(("a", "b"))
     group.step_s = 7.0
     advance_until(coordinator, Running)
     train_to(coordinator, 5)
     group.kill_rank(1)
     assert isinstance(coordinator.advance(), Restarting)
-    assert group.teardown_times == [(2.0, pytest.approx(7.0))]
+    assert group.teardown_times == [(0.0, pytest.approx(7.0))]
 
 
 @pytest.mark.parametrize("survivor_raises_first", [False, True])

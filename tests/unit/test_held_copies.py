@@ -55,6 +55,16 @@ def test_a_copy_travels_as_one_array_and_the_peer_owns_its_memory():
     assert held.rng == b"rng"
 
 
+def test_a_load_leaves_the_held_copy_as_it_was_taken():
+    """The optimizer steps its 0-dim counts in place after a load: the values a load hands it
+    are its own, not the held copy's (a later recovery may load the same copy again)."""
+    copy = _copy(_state(2.0), ReusableStager())
+    loaded = _loaded(copy)
+    loaded["optim"]["state.w.step"].add_(1)  # what AdamW does to its step count
+    assert copy.objects["optim.state.w.step"] == torch.tensor(2.0)
+    assert _loaded(copy)["optim"]["state.w.step"] == torch.tensor(2.0)
+
+
 class _StagingEngine:
     """`stage_copy` as the FSDP2 engine's, of a state that changes every step."""
 
