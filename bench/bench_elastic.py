@@ -32,7 +32,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 import common
 from cpu_accounting import CpuSampler
 
-SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 50, 5
+# 70 steps: the preemption (chaos at step 38) fires once the arrival's growth is done, which waits
+# for the new node's actors to start (8.5-10.3 s on this host); with 50 a slow start left the
+# preemption's re-formation no step to train before the run ended.
+SEQ_LEN, GLOBAL_BATCH, STEPS, CHECKPOINT_EVERY = 128, 16, 70, 5
 STEP_DELAY_S = 0.1  # both systems: lets each fault play out before the next one
 # (what, chaos action): the re-formations of our run, in the order they happen. A rank death
 # re-forms at once on the survivors, then grows back onto the replacement once it is warm.
