@@ -12,9 +12,10 @@ write it, once per buffer layout (`copy_metadata`): every copy of that layout re
 
 `CopyReader` merges the owners' metadata into one (chunks of replicated tensors once), so
 DCP's load planner reshards the union onto any new layout exactly as it reshards a durable
-checkpoint (each rank planning its own reads, with no collective), and serves each read straight from the held tensors (narrowed to the chunk's
-requested slice). The copies come from `fetch(owner)`: the caller decides where each owner's
-copy is (this process, or a peer holding it).
+checkpoint (each rank planning its own reads, with no collective), and serves each read
+straight from the held tensors (narrowed to the chunk's requested slice). The copies come
+from `fetch(owner)`: the caller decides where each owner's copy is (this process, or a peer
+holding it).
 
 Between processes a copy travels as `to_wire`'s form: each tensor as a flat byte array
 (numpy: Ray moves it out of band, copied without the GIL), its layout (metadata and tensor

@@ -343,9 +343,10 @@ class RankGroup:
         return_s: float = 0.0,
     ) -> list[int]:
         """Every rank leaves its layout (`RankWorker.teardown`; `grace_s`: for its loop to end
-        at a step boundary before its communicators are aborted; `keep_save` False: a durable save in flight is abandoned; `return_s`: for a loop whose collectives
-        were aborted to return, at least the actor's own floor); the ranks that cannot be
-        reused (stuck, dead or silent)."""
+        at a step boundary before its communicators are aborted; `keep_save` False: a durable
+        save in flight is abandoned; `return_s`: for a loop whose collectives were aborted to
+        return, at least the actor's own floor); the ranks that cannot be reused (stuck, dead
+        or silent)."""
         args = (grace_s, keep_save, return_s)
         return self._try_call_all("teardown", timeout_s, args, CONTROL_GROUP)
 

@@ -62,8 +62,9 @@ class Recovery:
         # or mid-step: its communicators are aborted, so it raises at its next collective, and
         # it has a step to return (`Deadlines.leave_bound`), so a survivor of a slow step is
         # kept, not replaced as stuck. Every rank leaves in the same round: a rank whose loop
-        # failed has already aborted its own groups (`RankWorker._run`), which closed its
-        # connections and released any peer blocked on it.
+        # failed has already aborted its own groups (`RankWorker._run`), which on NCCL releases
+        # a peer blocked on it; on gloo, whose abort leaves a sub-group's connections open,
+        # they close when that rank's old layout is collected (docs/design.md).
         grace_s = 0.0 if failed else LEAVE_FLOOR_S
         return_s = self.deadlines.leave_bound().seconds
         # The teardown call's own bound: the loop's grace, a set-up's, the aborted loop's
