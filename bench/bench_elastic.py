@@ -16,7 +16,7 @@ Ray Train (`bench/ray_train_elastic.py`): `num_workers=(2, 4)`, the same model, 
 sample order and checkpoint interval; a worker node is removed at the same step, then added
 back. Its recovery is node removal -> first step completed at the smaller size.
 Both run in this one benchmark process, back to back. Writes bench/results/elastic.json.
-Run: python bench/bench_elastic.py [--repeats N]
+Run: python bench/bench_elastic.py [--repeats N] [--ours-only: our runs alone, printed, nothing written]
 """
 
 from __future__ import annotations
@@ -280,9 +280,17 @@ def _verdict(what: str, row: dict, peer: dict) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="runs of ours and of Ray Train")
+    parser.add_argument(
+        "--ours-only",
+        action="store_true",
+        help="only our runs, each printed with its breakdown; no Ray Train, no verdict, and "
+        "bench/results/elastic.json is left as it is (for comparing changes)",
+    )
     args = parser.parse_args()
     scratch = common.SCRATCH / "elastic"
     scratch.mkdir(parents=True, exist_ok=True)
+    if args.ours_only:
+        return _print_ours([run_ours(scratch) for _ in range(args.repeats)])
     idle_start = idle_actor_start()
     ours = [run_ours(scratch) for _ in range(args.repeats)]
     # Issue 19: Ray Train measured in the same run, as many times as ours (median).
@@ -393,6 +401,26 @@ def main() -> int:
         f"{peer['grew_back']}"
     )
     return 0 if ok else 1
+
+
+def _print_ours(ours: list[dict[str, dict]]) -> int:
+    """One line per run and incident, then the medians: the phases of `BREAKDOWN`."""
+    keys = [k.removesuffix("_s") for k in BREAKDOWN]
+    print("run | incident | " + " | ".join(keys))
+    for what, _ in INCIDENTS:
+        rows = [run[what] for run in ours if what in run]
+        for i, row in enumerate(rows):
+            print(f"{i + 1} | {what} | " + " | ".join(_seconds(row.get(k)) for k in BREAKDOWN))
+        medians = [
+            statistics.median(values) if (values := [r[k] for r in rows if k in r]) else None
+            for k in BREAKDOWN
+        ]
+        print(f"median | {what} | " + " | ".join(_seconds(m) for m in medians))
+    return 0
+
+
+def _seconds(value: float | None) -> str:
+    return "" if value is None else f"{value:.2f}"
 
 
 if __name__ == "__main__":
