@@ -18,8 +18,10 @@ log = logging.getLogger("raytrain_dt.rank")
 def abort_process_groups() -> None:
     """Abort every process group of this process. On NCCL this is
     ncclCommAbort on each communicator; gloo cannot be interrupted (a gloo-only rank blocked on
-    a hung peer stays blocked until `comm.timeout_s`), and its abort closes the default group's
-    connections but not a sub-group's: those close when the group is collected."""
+    a hung peer stays blocked until `comm.timeout_s`), and its abort closes no connection
+    itself: a group's close when the group is destroyed (the default group's at once, the abort
+    dropping the last reference to it; a device mesh's sub-groups' when the layout is collected).
+    """
     if not dist.is_initialized():
         return
     try:

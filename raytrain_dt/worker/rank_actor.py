@@ -390,10 +390,11 @@ class RankWorker:
             log.error("rank %s failed:\n%s", self.spec.rank if self.spec else "?", self._error)
             # A peer may be blocked in a collective with this rank (gloo cannot be aborted from
             # the waiting side): aborting this side's groups now makes its wait raise (on NCCL,
-            # and on gloo's default group; a gloo sub-group's connections close only when this
-            # layout is collected, docs/design.md), and the peer is kept as a survivor. Seen in
-            # a gate: a survivor of an HSDP layout, blocked in a reduce-scatter with a rank whose
-            # all-reduce had failed on a lost node, was still blocked 4 s later and was replaced.
+            # and on gloo's default group, which the abort destroys; a gloo sub-group's
+            # connections close only when this layout is collected, docs/design.md), and the
+            # peer is kept as a survivor. Seen in a gate: a survivor of an HSDP layout, blocked
+            # in a reduce-scatter with a rank whose all-reduce had failed on a lost node, was
+            # still blocked 4 s later and was replaced.
             abort_process_groups()
             if self._batches is not None:
                 # The layout has failed: its pipeline's tasks would read on for nobody, on the
