@@ -11,9 +11,8 @@ cold start of the node's Ray Data workers (new processes importing Ray Data) ove
 model build, not the first steps, where a failure's recovery would compete with it. If it has not
 started by the end of the bridge, the bridge reads on until it has, and the pipeline's
 micro-batches already read are skipped: a slow start never stalls a step. Every later
-micro-batch comes from Ray Data. A layout that is left closes its stream (`InputStream.close`;
-a rank whose loop failed closes it at once, before its teardown): its pipeline stops, even one
-still starting. Closing twice is harmless.
+micro-batch comes from Ray Data. A layout that is left closes its stream (`InputStream.close`):
+its pipeline stops, even one still starting.
 """
 
 from __future__ import annotations

@@ -396,10 +396,6 @@ class RankWorker:
             # in a reduce-scatter with a rank whose all-reduce had failed on a lost node, was
             # still blocked 4 s later and was replaced.
             abort_process_groups()
-            if self._batches is not None:
-                # The layout has failed: its pipeline's tasks would read on for nobody, on the
-                # CPU the recovery needs, until the teardown closed it (`_release_layout`).
-                self._batches.close()
 
     def _train_state(self, step: int, consumed: int) -> dict:
         next_lr = scheduled_lr(self.spec.cfg.trainer, step)
