@@ -190,9 +190,13 @@ class PipelineStop:
     (a failure, a resize) must stop its pipelines itself: otherwise they go on starting worker
     processes and reading for ranks that no longer exist, on the CPU the next layout's set-up
     needs (measured: three workers started for a dead layout inside a rank death's recovery).
-    The executor is created when the pipeline is first read and starts with its first output
-    read, either possibly after `stop`: a stopped pipeline then reads nothing (`_until_stopped`),
-    and one stopped while its executor starts or runs has it shut down."""
+    The executor is created when the pipeline is first read, possibly after `stop`: a stopped
+    pipeline never starts one (`PipelineStopped`), and one stopped once its executor has started
+    has it shut down, also while the first read still waits for the first output. That wait is
+    the cold start of the pipeline's task (a worker process importing Ray Data, a first read of
+    the files): on a loaded host 10 s and more, during which a stop must already cancel the
+    task (measured: a layout failed 7 s into a run left each survivor's starting pipeline
+    reading on, a core of the 2-core host, through the whole recovery)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -220,15 +224,44 @@ class PipelineStop:
             executor.shutdown(force=False)
 
 
+class PipelineStopped(Exception):
+    """The first read of a pipeline stopped before its executor started: nothing to read."""
+
+
 def _stoppable_iterator(ds, stop: PipelineStop):
-    """`ds.iterator()` that hands its executor to `stop` (Ray Data's own iterator, which
-    creates the executor in `_to_ref_bundle_iterator`; internal in ray 2.60)."""
+    """`ds.iterator()` that hands its executor to `stop` as soon as the executor has started.
+
+    Ray Data creates and starts the executor inside the first read (`_execute_to_iterator`,
+    through `Dataset._create_executor` and the executor's `execute`), then waits there for the
+    first output before returning it: attached only on return, a pipeline stopped during that
+    wait would run on until its first output. So the executor's `execute` is wrapped to attach
+    it once started (a stop before then refuses the start). Ray Data's internals, ray 2.60."""
     from ray.data._internal.iterator.iterator_impl import DataIteratorImpl
+
+    create_executor = ds._create_executor
+
+    def create_attached_executor():
+        executor = create_executor()
+        execute = executor.execute
+
+        def execute_then_attach(*args, **kwargs):
+            if stop.stopped:
+                raise PipelineStopped
+            outputs = execute(*args, **kwargs)
+            stop.attach(executor)  # a stop from here on shuts it down, even before its output
+            return outputs
+
+        executor.execute = execute_then_attach
+        return executor
+
+    ds._create_executor = create_attached_executor
 
     class StoppableIterator(DataIteratorImpl):
         def _to_ref_bundle_iterator(self):
-            bundles, stats, executor = super()._to_ref_bundle_iterator()
-            stop.attach(executor)
+            try:
+                bundles, stats, executor = super()._to_ref_bundle_iterator()
+            except PipelineStopped:
+                return iter(()), None, None
             return _until_stopped(bundles, stop), stats, executor
 
     return StoppableIterator(ds)

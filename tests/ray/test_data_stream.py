@@ -136,6 +136,54 @@ def test_a_stopped_stream_ends_in_order_and_one_stopped_before_it_starts_is_empt
         assert list(stream) == []
 
 
+def test_a_stream_stopped_while_its_first_output_is_awaited_ends_at_once(ray_cluster, token_data):
+    """A layout left while its pipeline's task is still starting (on a loaded host a cold start
+    takes 10 s and more; here another actor holds the CPUs of the placement group's one
+    bundle, so the first read waits for good): the stop shuts the executor down, cancelling the
+    task, and the waiting first read ends with an empty stream."""
+    import ray
+    import ray.data
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0.5)
+    class Holder:
+        pass
+
+    ctx = ray.data.DataContext.get_current()
+    scheduling = ctx.scheduling_strategy, ctx.scheduling_strategy_large_args
+    starved = placement_group([{"CPU": 0.5}])
+    ray.get(starved.ready(), timeout=60)
+    holder = Holder.options(
+        scheduling_strategy=PlacementGroupSchedulingStrategy(starved, 0)
+    ).remote()
+    ray.get(holder.__ray_ready__.remote(), timeout=60)
+    stop, streamed = PipelineStop(), []
+    reader = threading.Thread(
+        target=lambda: streamed.extend(
+            iterate_micro_batches(_slice(token_data, 2), 2, DataPlacement(0.5, starved), stop)
+        )
+    )
+    try:
+        reader.start()
+        deadline = time.time() + 60
+        while stop._executor is None and time.time() < deadline:  # started, awaiting output
+            time.sleep(0.05)
+        assert stop._executor is not None, "the executor was not handed over once started"
+        time.sleep(1.0)
+        assert reader.is_alive() and not streamed  # still waiting for the first output
+        stop.stop()
+        reader.join(timeout=30)
+        assert not reader.is_alive() and stop._executor._shutdown
+        assert streamed == []
+    finally:
+        stop.stop()
+        ray.kill(holder)
+        remove_placement_group(starved)
+        # The stream set this process's Ray Data scheduling to the group just removed.
+        ctx.scheduling_strategy, ctx.scheduling_strategy_large_args = scheduling
+
+
 def test_the_stream_starts_no_process_once_its_worker_started_beside_the_rank(
     ray_cluster, token_data
 ):
