@@ -287,7 +287,19 @@ def iterate_micro_batches(
     order. `stop` (optional) ends the stream early from another thread."""
     import ray.data
 
-    ctx = ray.data.DataContext.get_current()
+    if data.num_rows == 0 or (stop is not None and stop.stopped):
+        return iter(())
+    # Row i of this rank's stream is an arithmetic function of i, so the source is just one run
+    # of row numbers per block, built here (`from_items` runs no task; `range` and `from_numpy`
+    # do, outside the placement group), and `_fetch_runs` turns each run into tokens.
+    blocks = max(1, min(64, data.num_rows // 4096))
+    bounds = [data.num_rows * i // blocks for i in range(blocks + 1)]
+    runs = [{"start": a, "stop": b} for a, b in itertools.pairwise(bounds)]
+    ds = ray.data.from_items(runs, override_num_blocks=blocks)
+    # The dataset's own context (`from_items` copies the process's; what derives from `ds`
+    # shares it), not the process-wide one: another stream of the same process, or the test
+    # calling this, keeps its own settings.
+    ctx = ds.context
     ctx.execution_options.preserve_order = True
     ctx.enable_progress_bars = False
     ctx.print_on_execution_start = False
@@ -306,15 +318,6 @@ def iterate_micro_batches(
             # one way to that budget; ray is pinned (pyproject.toml).
             warnings.simplefilter("ignore", DeprecationWarning)
             ctx.scheduling_strategy = ctx.scheduling_strategy_large_args = in_group
-    if data.num_rows == 0 or (stop is not None and stop.stopped):
-        return iter(())
-    # Row i of this rank's stream is an arithmetic function of i, so the source is just one run
-    # of row numbers per block, built here (`from_items` runs no task; `range` and `from_numpy`
-    # do, outside the placement group), and `_fetch_runs` turns each run into tokens.
-    blocks = max(1, min(64, data.num_rows // 4096))
-    bounds = [data.num_rows * i // blocks for i in range(blocks + 1)]
-    runs = [{"start": a, "stop": b} for a, b in itertools.pairwise(bounds)]
-    ds = ray.data.from_items(runs, override_num_blocks=blocks)
     ds = ds.map_batches(
         _fetch_runs,
         fn_kwargs={"data": data, "rows_per_fetch": max(data.micro_batch, 256)},

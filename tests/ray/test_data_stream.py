@@ -180,8 +180,9 @@ def test_a_stream_stopped_while_its_first_output_is_awaited_ends_at_once(ray_clu
         stop.stop()
         ray.kill(holder)
         remove_placement_group(starved)
-        # The stream set this process's Ray Data scheduling to the group just removed.
-        ctx.scheduling_strategy, ctx.scheduling_strategy_large_args = scheduling
+    # The stream scheduled into the group on its own dataset's context: this process's Ray
+    # Data scheduling is as it was.
+    assert (ctx.scheduling_strategy, ctx.scheduling_strategy_large_args) == scheduling
 
 
 def test_the_stream_starts_no_process_once_its_worker_started_beside_the_rank(
