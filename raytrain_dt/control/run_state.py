@@ -37,6 +37,10 @@ class RunState:
     # --- progress --------------------------------------------------------------------------
     step: int = 0  # the last step completed (rank 0's report)
     last_progress: float = 0.0  # time.time() of that report: hang detection
+    # time.time() a rank last reported its share of a save written (or failed): a save that
+    # leaves flight is progress too, so the step's hang bound counts from it (the ranks finish
+    # or step again after it, not within a step of the step before it).
+    last_save_written: float = 0.0
     last_formed_at: float = 0.0  # time.time() of the latest formation: chaos pacing
 
     # --- failures --------------------------------------------------------------------------

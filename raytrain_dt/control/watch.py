@@ -22,7 +22,14 @@ from raytrain_dt.control.states import Deciding, Finished, Running, State
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.observe.progress import Progress
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.worker.reports import MemoryCopyReport, RankStatus, StepReport, StoppedReport
+from raytrain_dt.worker.reports import (
+    MemoryCopyReport,
+    RankStatus,
+    SavedReport,
+    SaveFailedReport,
+    StepReport,
+    StoppedReport,
+)
 
 log = logging.getLogger("raytrain_dt.control.coordinator")
 
@@ -71,6 +78,8 @@ class GroupWatch:
                         self.copies.absorb(report)
                 elif not isinstance(report, StoppedReport):
                     self.tracker.on_report(report)
+                    if isinstance(report, SavedReport | SaveFailedReport):
+                        run.last_save_written = time.time()
 
     def _on_step(self, report: StepReport, layout: Layout) -> None:
         run = self.run
@@ -103,9 +112,11 @@ class GroupWatch:
         if statuses and all(s.state == "done" for s in statuses):
             return Finished(run.step)
         bound = self.deadlines.hang_bound(saving=bool(self.tracker.in_flight))
-        if time.time() - run.last_progress > bound.seconds:
+        if time.time() - max(run.last_progress, run.last_save_written) > bound.seconds:
             log.warning(
-                "no step completed for %.0fs (%s): the group is hung", bound.seconds, bound.detail
+                "no step or save completed for %.0fs (%s): the group is hung",
+                bound.seconds,
+                bound.detail,
             )
             return self.recovery.on_failure("hung", [], bound)
         young = time.time() - run.last_formed_at < CHAOS_ARRIVAL_WAIT_S

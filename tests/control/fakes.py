@@ -86,6 +86,10 @@ class FakeRankGroup:
         # Seconds between the steps' reported finishing times (None: the wall clock's).
         self.step_s: float | None = None
         self._step_clock = time.time()
+        # Seconds the last step's save takes to write: its ranks report it written once that
+        # has passed (later than the step, as a large final checkpoint), then finish.
+        self.final_save_s = 0.0
+        self._final_save_at: float | None = None  # time.time() its write ends
         self.set_up = False  # the formed layout's set-up succeeded: its ranks train
         self._stop_requested = False
         self.verified: list[set[str]] = []  # the files checked before each formation
@@ -210,17 +214,26 @@ class FakeRankGroup:
     def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         running = all(s.state == "running" for s in self.slots)
         reports = [[] for _ in self.slots]
-        if running and self.set_up and not self.hung and self.step < self.end:
+        writing = self._final_save_at is not None
+        if writing:
+            if time.time() >= self._final_save_at:  # written; the ranks finish at the next poll
+                self._save_written(reports)
+                self._final_save_at = None
+        elif running and self.set_up and not self.hung and self.step < self.end:
             self.step += 1
             self.consumed += self.global_batch
             for rank in range(self.world_size):
                 reports[rank].append(self._step_report(rank))
             if (self.every and self.step % self.every == 0) or self._stop_requested:
-                self._save(reports)
+                self._save_started(reports)
+                if self.step == self.end and self.final_save_s and not self._stop_requested:
+                    self._final_save_at = time.time() + self.final_save_s
+                else:
+                    self._save_written(reports)
             if self._stop_requested:
                 for slot in self.slots:
                     slot.state = "done"
-        if self.step == self.end and running:
+        if self.step == self.end and running and not writing and self._final_save_at is None:
             for slot in self.slots:
                 slot.state = "done"
         return [
@@ -272,11 +285,13 @@ class FakeRankGroup:
             metrics=metrics,
         )
 
-    def _save(self, reports: list[list[RankReport]]) -> None:
-        step_dir = self.checkpoint_root / f"step_{self.step}"
-        step_dir.mkdir(parents=True, exist_ok=True)
+    def _save_started(self, reports: list[list[RankReport]]) -> None:
         train_state = {"step": self.step, "consumed_samples": self.consumed}
         reports[0].append(TrainStateReport(self.step, train_state))
+
+    def _save_written(self, reports: list[list[RankReport]]) -> None:
+        step_dir = self.checkpoint_root / f"step_{self.step}"
+        step_dir.mkdir(parents=True, exist_ok=True)
         for rank in range(self.world_size):
             written = FileDigests()
             shard = f"shard_{rank}.bin"

@@ -383,6 +383,25 @@ def test_a_hang_replaces_the_whole_group(start):
     assert group.dropped == 4 and state.decision.nodes == ("a", "b")
 
 
+def test_a_final_save_slower_than_a_step_is_no_hang(start):
+    """The last step's save takes longer than a step's hang bound to write (a large final
+    checkpoint), and the ranks finish one poll after they report it written. Its writing is
+    the group's progress: the run finishes, with no hang detected between the commit and the
+    ranks' end (a hang counted from the last step once the save committed, no longer in
+    flight, restarted a finished run)."""
+    coordinator, _, group = start(
+        ("a",),
+        "elastic.hang_timeout_s=1",
+        "elastic.hang_step_multiple=1",
+        "trainer.steps=4",
+        "checkpoint.every_steps=2",
+    )
+    group.final_save_s = 1.5
+    assert isinstance(advance_until(coordinator, Finished), Finished)
+    assert events(coordinator, "failure") == []
+    assert coordinator.step == 4 and group.dropped == 0
+
+
 def test_a_formation_past_its_deadline_fails_the_run_naming_the_key(start):
     coordinator, _, group = start(("a", "b"), "elastic.formation_timeout_s=5")
     group.setup_hangs = True
