@@ -50,6 +50,14 @@ class DeviceSpec:
         return self.is_accelerator
 
     @property
+    def abort_releases_peers(self) -> bool:
+        """Whether aborting this rank's communicators also releases peers blocked with it in a
+        collective (NCCL's ncclCommAbort; the emulated backend's abort). Gloo's abort leaves a
+        sub-group's connections open: a peer blocked on them returns only once this rank's
+        process group objects are destroyed, when its old layout is collected."""
+        return self.backend != "gloo"
+
+    @property
     def premul_sum(self) -> bool:
         """Whether the backend reduces with a pre-multiplied sum (NCCL's PREMUL_SUM): FSDP uses
         it for a custom gradient divide factor; elsewhere it must sum, then divide."""

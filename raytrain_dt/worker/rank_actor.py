@@ -23,6 +23,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from raytrain_dt.accel.device import (
+    DeviceSpec,
     accelerator_name,
     host_memory,
     memory_usage,
@@ -75,6 +76,20 @@ log = logging.getLogger("raytrain_dt.rank")
 # and a replacement costs a process start and a load: seconds; on a loaded host the abort
 # alone takes over 0.2 s.
 ABORTED_COLLECTIVE_GRACE_S = 2.0
+# The same on gloo, whose abort releases no peer (`DeviceSpec.abort_releases_peers`): a
+# collective blocked on a live peer whose own loop failed returns when that peer's old layout
+# is collected after its teardown, which on a loaded host (CI's 2 cores, two runs) took over
+# 2 s, and a healthy survivor was replaced. A collective blocked on a dead peer returns at
+# once (its sockets closed with its process): only a stuck peer costs the whole grace.
+GLOO_ABORTED_COLLECTIVE_GRACE_S = 10.0
+
+
+def aborted_collective_grace_s(device: DeviceSpec | None) -> float:
+    """The least time an aborted collective is given to return on this layout's device."""
+    if device is not None and not device.abort_releases_peers:
+        return GLOO_ABORTED_COLLECTIVE_GRACE_S
+    return ABORTED_COLLECTIVE_GRACE_S
+
 
 # What `ray.remote` makes the actor class with: copies are held and read beside set-up, and
 # polls and teardown are answered during a set-up (which may be waiting on a dead peer).
@@ -492,7 +507,8 @@ class RankWorker:
         next layout. `return_s`: how long the torch thread may take to return once its
         communicators are aborted (the rest of its step: it raises at its next collective).
         Returns False when the torch thread is stuck (in a collective with a dead
-        or hung peer): such an actor cannot be reused and the coordinator replaces it.
+        or hung peer): such an actor cannot be reused and the coordinator replaces it. An
+        aborted collective is given at least `aborted_collective_grace_s` of this device.
         Runs in the control concurrency group, beside a set-up that may be waiting."""
         phases = PhaseTimer()
         self.stop(grace_s)  # `_stop` also ends a set-up's wait for its peers (`join_store`)
@@ -518,7 +534,7 @@ class RankWorker:
             # raise in the torch thread, as torchft does, and wait for the thread once more.
             where = where_thread_is(self._torch_thread_id)
             abort_process_groups()
-            return_s = max(return_s, ABORTED_COLLECTIVE_GRACE_S)
+            return_s = max(return_s, aborted_collective_grace_s(self._device))
             wait(busy, timeout=return_s)
             if any(not f.done() for f in busy):
                 log.warning(
