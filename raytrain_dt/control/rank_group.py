@@ -131,8 +131,9 @@ class RankGroup:
         except ray.exceptions.GetTimeoutError as exc:
             ray.util.remove_placement_group(pg)
             raise PlacementTimedOut(
-                f"cluster.placement_timeout_s: no room for {count} ranks of {self.resource} on "
-                f"node {node_id[:12]} within {timeout_s:.0f}s",
+                f"cluster.placement_timeout_s: no room for {count} ranks of {self.resource} "
+                f"(each {_describe(self._bundle())}) on node {node_id[:12]} within "
+                f"{timeout_s:.0f}s; free there: {_describe(_free_on(node_id))}",
                 node_id,
             ) from exc
         reservation = NodeReservation(pg, node_id, count)
@@ -530,3 +531,24 @@ class RankGroup:
         self._release(dead)
         log.info("took %d warm rank actors from the driver's last run", len(alive))
         return len(alive)
+
+
+def _free_on(node_id: str) -> dict:
+    """The node's unreserved resources now, as Ray's GCS reports them (what a placement that
+    timed out did not find)."""
+    from ray._private.state import available_resources_per_node
+
+    try:
+        return available_resources_per_node().get(node_id, {})
+    except Exception:  # a diagnostic: never the reason a time-out is not reported
+        return {}
+
+
+def _describe(resources: dict) -> str:
+    """`CPU 0.75, accelerator 1`: Ray's own resources (node and memory keys left out)."""
+    shown = {
+        k: round(v, 3)
+        for k, v in sorted(resources.items())
+        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
+    }
+    return ", ".join(f"{k} {v:g}" for k, v in shown.items()) or "nothing"

@@ -63,3 +63,29 @@ def test_dp2_tp2_on_two_nodes_equals_single_process(ray_cluster, make_config):
     assert tp_groups_on_one_node(result.layout.dims, placed["node_ids"])
     plan = json.loads((Path(result.run_dir) / "plan.json").read_text())
     assert plan["layout"]["tp"] == 2 and plan["reason"]
+
+
+def test_a_node_without_room_times_out_naming_the_key_and_what_is_free(fresh_actors, tmp_path):
+    """More ranks than a node's accelerators: the formation gives up after
+    `cluster.placement_timeout_s`, and the one-line error says what each rank asks for and
+    what the node had free, reserving nothing meanwhile."""
+    from ray._private.state import available_resources_per_node
+
+    from raytrain_dt.control.group import PlacementTimedOut
+
+    node = alive_nodes(SIMULATED_ACCELERATOR)[0]
+    free = available_resources_per_node()[node.node_id]
+    group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
+    try:
+        with pytest.raises(PlacementTimedOut) as caught:
+            group.form({node.node_id: node.accelerators + 1}, timeout_s=2)
+    finally:
+        group.shutdown()
+    message = str(caught.value)
+    assert message.startswith("cluster.placement_timeout_s: no room for 3 ranks of accelerator")
+    assert "(each CPU 0.1, accelerator 1)" in message and "\n" not in message
+    assert message.endswith(
+        f"free there: CPU {free['CPU']:g}, accelerator {free[SIMULATED_ACCELERATOR]:g}"
+    )
+    assert caught.value.node_id == node.node_id
+    assert available_resources_per_node()[node.node_id] == free  # nothing left reserved
