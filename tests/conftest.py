@@ -14,6 +14,7 @@ import shutil
 import sys
 import sysconfig
 import tempfile
+import time
 from pathlib import Path
 
 import psutil
@@ -24,6 +25,7 @@ os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 from raytrain_dt.config import load_config
+from raytrain_dt.config.schema import ClusterConfig
 from raytrain_dt.data.prepare import prepare_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +39,10 @@ TEXT_GLOB = str(Path(sysconfig.get_paths()["stdlib"]) / "[je][sm][oa]*" / "*.py"
 # most tests, the cheap unit ones, and end on one worker running the long Ray files alone).
 # The cheap files last fill whichever worker finishes its Ray files first.
 HEAVIEST_FIRST = ("ray", "distributed", "control", "unit")
+
+# The shared cluster: 2 simulated nodes x 2 accelerators, each node sized as the embedded
+# default sizes it (ClusterConfig's CPUs per rank).
+SESSION_CLUSTER = ClusterConfig(local_nodes=2, accelerators_per_node=2)
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -85,16 +91,13 @@ def _start_session_cluster(temp_dir: str):
     may raise it (root), so that their agents beat the raylets' 15 s wait on a busy machine;
     once it is up, they run at this process's priority again. The ranks they start run at
     Ray's own worker priority (nice 15)."""
-    from raytrain_dt.config.schema import ClusterConfig
     from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, start_simulated_cluster
 
     normal = os.getpriority(os.PRIO_PROCESS, 0)
     with contextlib.suppress(PermissionError):
         os.setpriority(os.PRIO_PROCESS, 0, normal - 5)  # inherited by what starts meanwhile
     try:
-        return start_simulated_cluster(
-            ClusterConfig(local_nodes=2, accelerators_per_node=2), SIMULATED_ACCELERATOR, temp_dir
-        )
+        return start_simulated_cluster(SESSION_CLUSTER, SIMULATED_ACCELERATOR, temp_dir)
     finally:
         os.setpriority(os.PRIO_PROCESS, 0, normal)
         for process in _processes_under(temp_dir):
@@ -130,13 +133,52 @@ def fresh_actors(ray_cluster):
 
 @pytest.fixture
 def restore_nodes(ray_cluster):
-    """After the test, the cluster has the two accelerator nodes it started with."""
-    from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, alive_nodes
+    """After the test, the cluster has two accelerator nodes of the size it started with: lost
+    ones are replaced, and ones a test's chaos added (sized by the run's config, conf/test.yaml:
+    1 CPU) are removed. A 1-CPU node cannot host two ranks at the default CPUs per rank (a
+    bundle of 0.75), so the doctor's runs, landing after such a test, timed out placing them."""
+    import ray
+
+    from raytrain_dt.control import warm_actors
+    from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR
 
     yield ray_cluster
-    while len(alive_nodes(SIMULATED_ACCELERATOR)) < 2:
-        ray_cluster.add_node(num_cpus=1, resources={SIMULATED_ACCELERATOR: 2})
-        ray_cluster.wait_for_nodes()
+    wanted = _session_node_args()
+
+    def accelerator_nodes() -> list[dict]:
+        return [n for n in ray.nodes() if n["Alive"] and n["Resources"].get(SIMULATED_ACCELERATOR)]
+
+    def session_sized(node: dict) -> bool:
+        have = node["Resources"]
+        return have.get("CPU") == wanted["num_cpus"] and all(
+            have.get(k) == v for k, v in wanted["resources"].items()
+        )
+
+    kept = [n["NodeID"] for n in accelerator_nodes() if session_sized(n)][:2]
+    odd = [node for node in ray_cluster.worker_nodes if node.node_id not in kept]
+    if odd:
+        warm_actors.release_kept()  # kept actors may live on a node removed here
+        for node in odd:
+            ray_cluster.remove_node(node)
+    for _ in range(2 - len(kept)):
+        ray_cluster.add_node(**wanted)
+    ray_cluster.wait_for_nodes()
+    removed = {node.node_id for node in odd}
+    deadline = time.monotonic() + 60  # the removed ones reported dead: no plan counts them
+    while True:
+        alive = {n["NodeID"] for n in accelerator_nodes()}
+        if len(alive) == 2 and not alive & removed:
+            break
+        assert time.monotonic() < deadline, f"nodes not restored: {accelerator_nodes()}"
+        time.sleep(0.2)
+
+
+def _session_node_args() -> dict:
+    """What each of the shared cluster's accelerator nodes declares (`_start_session_cluster`):
+    the embedded default's simulated node."""
+    from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR, simulated_node_args
+
+    return simulated_node_args(SESSION_CLUSTER, SIMULATED_ACCELERATOR)
 
 
 @pytest.fixture(scope="session")
