@@ -68,13 +68,16 @@ def test_dp2_tp2_on_two_nodes_equals_single_process(ray_cluster, make_config):
 def test_a_node_without_room_times_out_naming_the_key_and_what_is_free(fresh_actors, tmp_path):
     """More ranks than a node's accelerators: the formation gives up after
     `cluster.placement_timeout_s`, and the one-line error says what each rank asks for and
-    what the node had free, reserving nothing meanwhile."""
-    from ray._private.state import available_resources_per_node
+    what the node had free (all of it, once the warm actors released by `fresh_actors` have
+    given their bundles back), reserving nothing meanwhile."""
+    import ray
 
     from raytrain_dt.control.group import PlacementTimedOut
 
     node = alive_nodes(SIMULATED_ACCELERATOR)[0]
-    free = available_resources_per_node()[node.node_id]
+    (total,) = [n["Resources"] for n in ray.nodes() if n["NodeID"] == node.node_id]
+    whole = (total["CPU"], total[SIMULATED_ACCELERATOR])
+    assert _free_cpus_and_accelerators(node.node_id, whole) == whole
     group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
     try:
         with pytest.raises(PlacementTimedOut) as caught:
@@ -84,8 +87,23 @@ def test_a_node_without_room_times_out_naming_the_key_and_what_is_free(fresh_act
     message = str(caught.value)
     assert message.startswith("cluster.placement_timeout_s: no room for 3 ranks of accelerator")
     assert "(each CPU 0.1, accelerator 1)" in message and "\n" not in message
-    assert message.endswith(
-        f"free there: CPU {free['CPU']:g}, accelerator {free[SIMULATED_ACCELERATOR]:g}"
-    )
+    assert message.endswith(f"free there: CPU {whole[0]:g}, accelerator {whole[1]:g}")
     assert caught.value.node_id == node.node_id
-    assert available_resources_per_node()[node.node_id] == free  # nothing left reserved
+    # Nothing left reserved: the timed-out group was removed.
+    assert _free_cpus_and_accelerators(node.node_id, whole) == whole
+
+
+def _free_cpus_and_accelerators(node_id: str, expected: tuple, within_s: float = 30.0) -> tuple:
+    """The node's free (CPU, accelerator) once it is `expected` (bundles are given back
+    asynchronously), or what it is at the deadline."""
+    import time
+
+    from ray._private.state import available_resources_per_node
+
+    deadline = time.monotonic() + within_s
+    while True:
+        free = available_resources_per_node().get(node_id, {})
+        now = (free.get("CPU", 0.0), free.get(SIMULATED_ACCELERATOR, 0.0))
+        if now == expected or time.monotonic() > deadline:
+            return now
+        time.sleep(0.2)
