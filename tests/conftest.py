@@ -24,6 +24,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
+import mlflow_server  # tests/ is on sys.path from here on
+
 from raytrain_dt.config import load_config
 from raytrain_dt.config.schema import ClusterConfig
 from raytrain_dt.data.prepare import prepare_dataset
@@ -48,11 +50,25 @@ SESSION_CLUSTER = ClusterConfig(local_nodes=2, accelerators_per_node=2)
 def pytest_configure(config: pytest.Config) -> None:
     """Under `make test` two xdist workers share two cores: torch computing in a worker's own
     process takes one thread, not both (it runs at nice 0, and would starve the other
-    worker's Ray ranks, which Ray starts at nice 15; see `harness.settle_rank_process`)."""
+    worker's Ray ranks, which Ray starts at nice 15; see `harness.settle_rank_process`).
+    The controller, idle otherwise, starts the MLflow server early for whichever worker runs
+    the tracker tests (tests/mlflow_server.py); it runs before xdist spawns the workers, which
+    inherit where to find it."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 
         torch.set_num_threads(1)
+    elif getattr(config.option, "numprocesses", None) and mlflow_server.selected(
+        config.args, config.rootpath
+    ):
+        config._rtdt_mlflow = mlflow_server.EarlyServer()
+        config._rtdt_mlflow.begin()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    early = getattr(config, "_rtdt_mlflow", None)
+    if early is not None:
+        early.end()
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

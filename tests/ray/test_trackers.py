@@ -1,20 +1,15 @@
 """Experiment trackers on real runs: MLflow against a real tracking server on 127.0.0.1 that
-the test starts, and W&B in offline mode (no network), each read back and compared with the
+the test session starts (tests/mlflow_server.py), and W&B in offline mode (no network), each read back and compared with the
 run's own metrics.jsonl and events.jsonl."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from mlflow_server import MLFLOW_URI_FILE_ENV, start, wait_for_early_server, wait_healthy
 from wandb_files import read_wandb_run
 
 from raytrain_dt.control.coordinator import train
@@ -24,70 +19,24 @@ from raytrain_dt.observe.metrics import read_jsonl
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _healthy(uri: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{uri}/health", timeout=2) as answer:
-            return answer.status == 200
-    except OSError:  # not listening yet
-        return False
-
-
 MLFLOW_START_S = 200
 
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """`mlflow server` on 127.0.0.1 (SQLite store), its URI once /health answers."""
-    root = tmp_path_factory.mktemp("mlflow")
-    port = _free_port()
-    log = open(root / "server.log", "w")  # noqa: SIM115 - the server's, closed at teardown
-    server = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "mlflow",
-            "server",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(port),
-            "--workers",
-            "1",
-            "--backend-store-uri",
-            f"sqlite:///{root}/mlflow.db",
-            "--default-artifact-root",
-            f"file://{root}/artifacts",
-        ],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,  # its own process group: teardown stops everything it started
-        # No job executor: it is not used here, and without `huey` installed it starts a
-        # Python process again and again that fails, CPU taken from the server's own start.
-        env={**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"},
-    )
-    uri = f"http://127.0.0.1:{port}"
-    # About 10 s on an idle 2-core host; over 90 s when CI's other worker trains beside it.
-    deadline = time.monotonic() + MLFLOW_START_S
-    while not _healthy(uri):
-        assert server.poll() is None, (root / "server.log").read_text()[-3000:]
-        assert time.monotonic() < deadline, (
-            f"mlflow server did not answer /health in {MLFLOW_START_S} s"
-        )
-        time.sleep(0.5)
-    yield uri
-    os.killpg(server.pid, signal.SIGTERM)
+    """The URI of an `mlflow server` on 127.0.0.1 that answers /health: the one the xdist
+    controller started early (tests/mlflow_server.py), else one of this module's own."""
+    uri_file = os.environ.get(MLFLOW_URI_FILE_ENV)
+    if uri_file:
+        yield wait_for_early_server(Path(uri_file), MLFLOW_START_S)
+        return
+    server = start(tmp_path_factory.mktemp("mlflow"))
     try:
-        server.wait(timeout=20)
-    except subprocess.TimeoutExpired:
-        os.killpg(server.pid, signal.SIGKILL)
-        server.wait()
-    log.close()
+        # About 10 s on an idle 2-core host.
+        wait_healthy(server.uri, MLFLOW_START_S, server.log_path, server.process)
+        yield server.uri
+    finally:
+        server.stop()
 
 
 def _history(client, run_id: str, key: str) -> list[tuple[int, float]]:
