@@ -117,10 +117,18 @@ class RankGroup:
         """Reserve `count` bundles on the node; waits until they are granted unless
         `timeout_s` is None (actors placed in it start once it is)."""
         import ray
-        from ray.util.placement_group import placement_group
+        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
 
+        # Pinned to the node by its `ray.io/node-id` label. A soft target (Ray's
+        # `_soft_target_node_id`) lands on another node whenever this one is full for the
+        # moment (actors just killed there still hold their accelerators): the reservation, and
+        # every rank later placed in it, would then stand for the wrong node in the plan's
+        # topology (seen: actors warmed for a node started on the other, and a later run found
+        # no room where the plan put them).
         pg = placement_group(
-            [self._bundle()] * count, strategy="STRICT_PACK", _soft_target_node_id=node_id
+            [self._bundle()] * count,
+            strategy="STRICT_PACK",
+            bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}] * count,
         )
         if timeout_s is None:
             reservation = NodeReservation(pg, node_id, count)

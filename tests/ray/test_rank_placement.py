@@ -107,3 +107,48 @@ def _free_cpus_and_accelerators(node_id: str, expected: tuple, within_s: float =
         if now == expected or time.monotonic() > deadline:
             return now
         time.sleep(0.2)
+
+
+def test_actors_warmed_for_a_full_node_wait_for_room_there(fresh_actors, tmp_path):
+    """Actors warmed for a node whose accelerators are all held for the moment (actors just
+    killed there hold theirs until they are gone) start on that node once it has room, never
+    on the other node, which has room all along. Reserved with a soft target, they started on
+    the other node while their reservation stood for this one: a later run found no free
+    bundle where its plan put ranks, and timed out placing them."""
+    import ray
+    from ray.util.placement_group import (
+        NODE_ID_LABEL_KEY,
+        placement_group,
+        remove_placement_group,
+    )
+
+    full, other = alive_nodes(SIMULATED_ACCELERATOR)[:2]
+    holder = placement_group(
+        [{SIMULATED_ACCELERATOR: 1}] * full.accelerators,
+        strategy="STRICT_PACK",
+        bundle_label_selector=[{NODE_ID_LABEL_KEY: full.node_id}] * full.accelerators,
+    )
+    ray.get(holder.ready(), timeout=60)
+    _wait_for_free_accelerators(other.node_id, other.accelerators)
+    group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
+    try:
+        group.warm(full.node_id, 1)
+        group.collect_warm(timeout_s=10)  # time enough for an actor placed elsewhere to start
+        assert group.idle == [] and len(group.starting) == 1
+        remove_placement_group(holder)
+        group.collect_warm(timeout_s=120)
+        assert [slot.node_id for slot in group.idle] == [full.node_id]
+    finally:
+        group.shutdown()
+        remove_placement_group(holder)
+
+
+def _wait_for_free_accelerators(node_id: str, count: float, within_s: float = 30.0) -> None:
+    import time
+
+    from ray._private.state import available_resources_per_node
+
+    deadline = time.monotonic() + within_s
+    while available_resources_per_node().get(node_id, {}).get(SIMULATED_ACCELERATOR, 0) < count:
+        assert time.monotonic() < deadline, f"node {node_id[:12]} never had {count} free"
+        time.sleep(0.2)
