@@ -121,11 +121,14 @@ def selected(args: list[str], rootdir: Path) -> bool:
 def wait_for_early_server(uri_file: Path, within_s: float) -> str:
     """The controller's server's address, once it answers."""
     deadline = time.monotonic() + within_s
+    log = uri_file.parent / "server.log"
     while not uri_file.exists():
-        assert time.monotonic() < deadline, f"the mlflow server was not started in {within_s} s"
+        if time.monotonic() > deadline:
+            said = log.read_text()[-3000:] if log.exists() else "(no log)"
+            raise AssertionError(f"the mlflow server was not started in {within_s} s: {said}")
         time.sleep(0.5)
     uri = uri_file.read_text()
-    wait_healthy(uri, deadline - time.monotonic(), uri_file.parent / "server.log")
+    wait_healthy(uri, deadline - time.monotonic(), log)
     return uri
 
 
@@ -148,7 +151,11 @@ class EarlyServer:
     def _start_later(self) -> None:
         if self._stopped.wait(EARLY_START_DELAY_S):
             return
-        self.server = start(self.root)
+        try:
+            self.server = start(self.root)
+        except Exception as exc:  # the waiting test says it was not started; this says why
+            (self.root / "server.log").write_text(f"could not start mlflow server: {exc!r}\n")
+            return
         written = self.uri_file.with_suffix(".tmp")
         written.write_text(self.server.uri)
         written.rename(self.uri_file)  # whole, or not there

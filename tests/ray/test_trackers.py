@@ -1,6 +1,6 @@
 """Experiment trackers on real runs: MLflow against a real tracking server on 127.0.0.1 that
-the test session starts (tests/mlflow_server.py), and W&B in offline mode (no network), each read back and compared with the
-run's own metrics.jsonl and events.jsonl."""
+the test session starts (tests/mlflow_server.py), and W&B in offline mode (no network), each
+read back and compared with the run's own metrics.jsonl and events.jsonl."""
 
 from __future__ import annotations
 
