@@ -4,8 +4,8 @@ Its start costs ~10 s of CPU (the CLI's imports, then the store's migrations): 1
 2-core host, but 80-100 s in `make test`, where the other xdist worker trains beside it, and a
 worker waiting for it does nothing else meanwhile. Under xdist the controller therefore starts
 it in the background (`EarlyServer`), once the workers' Ray clusters are up, and tells the
-workers where its address will be (`MLFLOW_URI_FILE_ENV`): the tracker test finds it answering. A run without
-xdist starts its own server when the test asks for one.
+workers where its address will be (`MLFLOW_URI_FILE_ENV`): the tracker test finds it
+answering. A run without xdist starts its own server when the test asks for one.
 """
 
 from __future__ import annotations

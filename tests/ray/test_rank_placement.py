@@ -129,7 +129,9 @@ def test_actors_warmed_for_a_full_node_wait_for_room_there(fresh_actors, tmp_pat
         bundle_label_selector=[{NODE_ID_LABEL_KEY: full.node_id}] * full.accelerators,
     )
     ray.get(holder.ready(), timeout=60)
-    _wait_for_free_accelerators(other.node_id, other.accelerators)
+    (total,) = [n["Resources"] for n in ray.nodes() if n["NodeID"] == other.node_id]
+    whole = (total["CPU"], total[SIMULATED_ACCELERATOR])
+    assert _free_cpus_and_accelerators(other.node_id, whole) == whole  # room there all along
     group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
     try:
         group.warm(full.node_id, 1)
@@ -141,14 +143,3 @@ def test_actors_warmed_for_a_full_node_wait_for_room_there(fresh_actors, tmp_pat
     finally:
         group.shutdown()
         remove_placement_group(holder)
-
-
-def _wait_for_free_accelerators(node_id: str, count: float, within_s: float = 30.0) -> None:
-    import time
-
-    from ray._private.state import available_resources_per_node
-
-    deadline = time.monotonic() + within_s
-    while available_resources_per_node().get(node_id, {}).get(SIMULATED_ACCELERATOR, 0) < count:
-        assert time.monotonic() < deadline, f"node {node_id[:12]} never had {count} free"
-        time.sleep(0.2)
