@@ -57,6 +57,7 @@ BREAKDOWN = (
     "checkpoint_load_s",
     "warm_up_s",
     "data_start_s",
+    "unattributed_s",
     "first_step_s",
     "total_s",
 )

@@ -239,9 +239,11 @@ class Recovery:
             return Stopped(run.step, stop_reason)
         # Ranks on nodes under notice are not reused: let them go while their node still
         # answers (tearing down actors of a node being reclaimed waits on Ray's death notice).
+        leaving = time.perf_counter()
         self.group.drop([r for r, s in enumerate(self.group.slots) if s.node_id in run.draining])
         self.group.drop_spares(run.draining)
         self.chaos.reclaim_preempted()  # the notice has been served: reclaim the node
+        run.incident.left_layout(time.perf_counter() - leaving)
         # Nodes under notice are leaving: plan without them even before Ray reports them gone.
         run.lost_nodes |= run.draining
         run.draining.clear()

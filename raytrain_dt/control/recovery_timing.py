@@ -8,11 +8,28 @@ The clock starts at the cause: the last poll that found every rank healthy (a fa
 notice (a preemption), or the moment new nodes appeared (growth, including the
 `elastic.grow_stable_s` hysteresis; a grow back onto a dead rank's replacement counts from the
 failure).
+
+The phases are sequential, so they add up to the wall time since the cause; what no phase
+names (driver bookkeeping, RPC round trips, a starved host's scheduling) is reported as
+`unattributed_s`, so that the breakdown always sums to the whole.
 """
 
 from __future__ import annotations
 
 import time
+
+# The sequential phases up to the formation, in order (`reform_s` includes `teardown_s`).
+FORMATION_PHASES = (
+    "detection_s",
+    "replan_s",
+    "drain_s",
+    "checkpoint_verify_s",
+    "reform_s",
+    "model_build_s",
+    "checkpoint_load_s",
+    "warm_up_s",
+    "data_start_s",
+)
 
 
 class RecoveryTimer:
@@ -66,6 +83,10 @@ class RecoveryTimer:
             data_start_s=slowest("data_start_s"),
         )
         self._started_training = time.perf_counter()
+        if self.since is not None:
+            # Per-rank phases are the slowest rank's, so their sum may slightly exceed the wall.
+            named = sum(self.fields.get(k, 0.0) for k in FORMATION_PHASES)
+            self.fields["unattributed_s"] = max(0.0, self._started_training - self.since - named)
         return dict(self.fields)
 
     def first_step(self) -> dict[str, float]:

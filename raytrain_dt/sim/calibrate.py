@@ -2,12 +2,13 @@
 
 What is calibrated, and from where (the coordinator writes a breakdown of every formation into
 its `start`/`resize` event, `control/recovery_timing.py`):
-- step time per world size: the mean gap between consecutive steps of one formation, counting
-  the steps a restart re-trained too (the mean, not the median: the simulated timeline is a
+- step time per world size: the mean gap between consecutive steps of one formation (less a
+  periodic save's stall, which is calibrated apart), counting the steps a restart re-trained too (the mean, not the median: the simulated timeline is a
   sum of steps, hiccups included);
 - periodic checkpoints: the median `stall_s` of the `checkpoint` events; the JIT save: from the
   drained step's metrics line to its `drained` event;
-- detection, re-plan, re-form (+ model build, data start) and checkpoint load: the first restart
+- detection, re-plan, re-form (+ checkpoint verification, model build, warm-up, data start and
+  the unattributed rest) and checkpoint load: the first restart
   after a failure (actors reused), or without one (a run with notices only) the first resize;
   the first step's extra time: that formation's `first_step`; the in-memory restore and
   hand-over (`Costs.memory_restore_s`, `memory_copy_s`): the same load and JIT save, as
@@ -26,19 +27,25 @@ from dataclasses import replace
 from itertools import pairwise
 from pathlib import Path
 
+from raytrain_dt.control.recovery_timing import FORMATION_PHASES
 from raytrain_dt.observe.metrics import read_jsonl
 from raytrain_dt.sim.costs import Costs
 
 
 def _step_times(metrics: list[dict], events: list[dict]) -> dict[int, float]:
     """Seconds per step by world size: kept steps from `metrics.jsonl`, plus the steps a
-    restart dropped from it (its `rewind` event), which ran at the layout before it."""
+    restart dropped from it (its `rewind` event), which ran at the layout before it. A
+    periodic save's stall after its step is left out: the simulator adds it on its own."""
+    stall_after = {
+        e["step"]: e["stall_s"] for e in events if e["event"] == "checkpoint" and "stall_s" in e
+    }
     seconds: dict[int, float] = {}
     steps: dict[int, int] = {}
     for before, after in pairwise(metrics):
         if after["step"] == before["step"] + 1 and after["world_size"] == before["world_size"]:
             world = after["world_size"]
-            seconds[world] = seconds.get(world, 0.0) + after["time"] - before["time"]
+            gap = after["time"] - before["time"] - stall_after.get(before["step"], 0.0)
+            seconds[world] = seconds.get(world, 0.0) + gap
             steps[world] = steps.get(world, 0) + 1
     world = None
     for e in events:
@@ -51,8 +58,10 @@ def _step_times(metrics: list[dict], events: list[dict]) -> dict[int, float]:
 
 
 def _formation_s(event: dict) -> float:
-    keys = ("reform_s", "model_build_s", "data_start_s", "checkpoint_load_s")
-    return sum(event.get(k, 0.0) for k in keys)
+    """From the decision to the formed group: every phase after the drain, the unattributed
+    seconds included (the driver's and the ranks' bookkeeping grows on a starved host)."""
+    after_drain = FORMATION_PHASES[FORMATION_PHASES.index("checkpoint_verify_s") :]
+    return sum(event.get(k, 0.0) for k in (*after_drain, "unattributed_s"))
 
 
 def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
@@ -93,10 +102,11 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
 
 
 def measured_timeline(run_dir: str | Path) -> dict:
-    """Seconds from the first trained step to each later formation and to the end of the run."""
+    """Seconds from the first trained step to each later formation and to the last trained
+    step (the end of training: the final save after it is no part of the simulated timeline)."""
     run = Path(run_dir)
     events = read_jsonl(run / "events.jsonl")
     origin = next(e["time"] for e in events if e["event"] == "first_step")
     formed = [e["time"] - origin for e in events if e["event"] == "resize"]
-    done = [e["time"] for e in events if e["event"] == "transition" and e["new"] == "finished"]
-    return {"formed": formed, "end": done[-1] - origin}
+    last_step = read_jsonl(run / "metrics.jsonl")[-1]["time"]
+    return {"formed": formed, "end": last_step - origin}
