@@ -593,6 +593,13 @@ class RankWorker:
         and restart the peak statistic, so the next layout (or run: a warm actor) measures its
         own. The host heap keeps its freed pages: the next layout, built at once, reuses them
         instead of faulting in fresh ones (`park` returns them when no layout follows)."""
-        gc.collect()
+        started = time.perf_counter()
+        freed = gc.collect()
+        log.info(
+            "actor %d: old layout collected in %.3fs (%d objects)",
+            self.actor_index,
+            time.perf_counter() - started,
+            freed,
+        )
         if self._device is not None:
             release_accelerator_memory(self._device)
