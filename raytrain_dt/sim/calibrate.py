@@ -3,13 +3,13 @@
 What is calibrated, and from where (the coordinator writes a breakdown of every formation into
 its `start`/`resize` event, `control/recovery_timing.py`):
 - step time per world size: the mean gap between consecutive steps of one formation (less a
-  periodic save's stall, which is calibrated apart), counting the steps a restart re-trained too (the mean, not the median: the simulated timeline is a
-  sum of steps, hiccups included);
+  periodic save's stall, which is calibrated apart), counting the steps a restart re-trained
+  too (the mean, not the median: the simulated timeline is a sum of steps, hiccups included);
 - periodic checkpoints: the median `stall_s` of the `checkpoint` events; the JIT save: from the
   drained step's metrics line to its `drained` event;
 - detection, re-plan, re-form (+ checkpoint verification, model build, warm-up, data start and
-  the unattributed rest) and checkpoint load: the first restart
-  after a failure (actors reused), or without one (a run with notices only) the first resize;
+  the unattributed rest) and checkpoint load: the first restart after a failure (actors
+  reused), or without one (a run with notices only) the first resize;
   the first step's extra time: that formation's `first_step`; the in-memory restore and
   hand-over (`Costs.memory_restore_s`, `memory_copy_s`): the same load and JIT save, as
   measured (a run with in-memory copies measures those);
