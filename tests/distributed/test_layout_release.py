@@ -1,13 +1,16 @@
 """A reused rank actor frees its layout's process groups when it leaves the layout (no Ray).
 
 Two spawned processes each make a `RankWorker`, and on its torch thread, as the actor does,
-build the FSDP2 engine over a dp_shard=2 x dp_replicate=1 mesh, train one step, then run the
-actor's own `_release_layout`. Every group the mesh created must then be gone: a group kept alive
-keeps its gloo connections open, so a peer blocked in a collective with a failed rank waits out
-the collective timeout instead of failing at once, and every re-formation leaks sockets and
-threads (DTensor's redistribute-planner cache held the meshes until `forget_layout_caches`
-cleared it). And a rank still mid-step when told to leave is kept when given its step to
-return, not given up as stuck after a fixed grace.
+build the FSDP2 engine over a dp_shard=2 x dp_replicate=1 mesh and train one step. Then rank
+0's loop fails (its input raises) while rank 1 waits in a collective with it on one of the
+mesh's groups, as a survivor of a rank death does. Every group the mesh created must be gone
+on both: on rank 0 as soon as its loop has failed, with no teardown (the driver's comes later),
+and on rank 1 after the actor's own `_release_layout` and collection. A group kept alive keeps
+its gloo connections open: a peer blocked in a collective with a failed rank waits until that
+rank's teardown (or the collective timeout) instead of failing at once, and every
+re-formation leaks sockets and threads (DTensor's redistribute-planner cache held the meshes
+until `forget_layout_caches` cleared it). And a rank still mid-step when told to leave is kept
+when given its step to return, not given up as stuck after a fixed grace.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import pytest
 import torch.multiprocessing as mp
 from harness import settle_rank_process
 
+# The layout's collective timeout: rank 1's wait ends by then even if rank 0 holds its groups.
+PG_TIMEOUT_S = 30
+
 
 def _free_port() -> int:
     with socket.socket() as s:
@@ -25,18 +31,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank(rank: int, port: int, cfg, run_dir: str, out) -> None:
+def _rank(rank: int, port: int, cfg, run_dir: str, out, peer_returned) -> None:
     settle_rank_process()
     try:
-        out.put(_release_after_a_step(rank, port, cfg, run_dir))
+        out.put(_leave_after_a_step(rank, port, cfg, run_dir, peer_returned))
     except BaseException:
         import traceback
 
         out.put((rank, traceback.format_exc()))
 
 
-def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int, int, int]:
+def _leave_after_a_step(rank: int, port: int, cfg, run_dir: str, peer_returned) -> dict:
     import datetime
+    import time
     import weakref
 
     import torch
@@ -50,37 +57,76 @@ def _release_after_a_step(rank: int, port: int, cfg, run_dir: str) -> tuple[int,
     from raytrain_dt.parallel.device_mesh import build_mesh
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
+    from raytrain_dt.worker.checkpointing import RankCheckpointer, side_groups
     from raytrain_dt.worker.rank_actor import RankWorker
+    from raytrain_dt.worker.train_loop import LoopSpec
 
     worker = RankWorker(run_dir, rank)
     layout = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 1)
+    device = select_device("fp32")
 
-    def build_and_step() -> list:
+    def build_and_step() -> tuple[list, object]:
         dist.init_process_group(
             "gloo",
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=2,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
         )
         mesh = build_mesh(layout.dims, "cpu")
-        worker.engine = build_engine(
-            EngineBuild(model_spec(cfg), cfg, layout, mesh, select_device("fp32"))
+        worker.engine = build_engine(EngineBuild(model_spec(cfg), cfg, layout, mesh, device))
+        worker.checkpointer = RankCheckpointer(
+            worker.engine, rank, lambda _: None, False, device, groups=side_groups()
         )
         tokens = torch.randint(0, 256, (2, cfg.data.seq_len))  # any ids the vocabulary has
         worker.engine.train_step([tokens], 0, [torch.ones(2, dtype=torch.bool)])
         default = c10d._get_default_group()
-        return [weakref.ref(pg) for pg in c10d._world.pg_map if pg is not default]
+        groups = [weakref.ref(pg) for pg in c10d._world.pg_map if pg is not default]
+        return groups, mesh["dp_shard"].get_group()
 
-    groups = worker._torch_thread.submit(build_and_step).result()
+    groups, shard_group = worker._torch_thread.submit(build_and_step).result()
+    if rank == 0:
+
+        def input_lost():
+            raise OSError("input shard unreadable")
+            yield
+
+        worker._batches = input_lost()
+        worker._chaos = lambda step: None
+        time.sleep(1.0)  # rank 1 is waiting in its collective by now
+        loop = LoopSpec(0, 1, 0, 2, 1, cfg.data.seq_len, 0, False, False)
+        del shard_group
+        worker._torch_thread.submit(worker._run, loop).result()
+        worker._torch_thread.submit(lambda: None).result()  # the collection `_run` queued
+        alive = sum(ref() is not None for ref in groups)
+        # This process, and the worker with whatever it still holds, live until the peer has
+        # returned: only what the failed loop let go may have closed its connections.
+        returned = peer_returned.wait(PG_TIMEOUT_S + 30)
+        return {
+            "rank": 0,
+            "created": len(groups),
+            "alive": alive,
+            "peer_returned": returned,
+            "failed": worker._error is not None,
+        }
+    started = time.perf_counter()
+    try:
+        dist.all_reduce(torch.ones(4), group=shard_group)
+        error = "returned"
+    except Exception as exc:
+        error = str(exc).splitlines()[0]
+    waited_s = time.perf_counter() - started
+    peer_returned.set()
+    del shard_group
     worker._torch_thread.submit(worker._release_layout).result()
     # `teardown` queues the collection on the torch thread after answering (as here).
     worker._torch_thread.submit(worker._free_old_layout).result()
-    return rank, len(groups), sum(ref() is not None for ref in groups)
+    alive = sum(ref() is not None for ref in groups)
+    return {"rank": 1, "created": len(groups), "alive": alive, "waited_s": waited_s, "error": error}
 
 
 @pytest.mark.timeout(180)
-def test_release_frees_the_layouts_process_groups(token_data, tmp_path):
+def test_a_failed_loop_frees_its_groups_and_releases_a_blocked_peer(token_data, tmp_path):
     from conftest import REPO
 
     from raytrain_dt.config import load_config
@@ -91,20 +137,32 @@ def test_release_frees_the_layouts_process_groups(token_data, tmp_path):
     )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
+    peer_returned = ctx.Event()
     port = _free_port()
-    procs = [ctx.Process(target=_rank, args=(r, port, cfg, str(tmp_path), out)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, port, cfg, str(tmp_path), out, peer_returned))
+        for r in range(2)
+    ]
     for proc in procs:
         proc.start()
-    results = sorted(out.get(timeout=150) for _ in procs)
+    results = [out.get(timeout=150) for _ in procs]
     for proc in procs:
         proc.join(timeout=30)
         if proc.is_alive():
             proc.terminate()
-    errors = [r for r in results if len(r) == 2]
+    errors = [r for r in results if isinstance(r, tuple)]
     assert not errors, errors
-    for rank, created, alive in results:
-        assert created >= 3, (rank, created)  # the mesh's dimension and flattened groups
-        assert alive == 0, f"rank {rank}: {alive} of {created} process groups outlived teardown"
+    failed, peer = sorted(results, key=lambda r: r["rank"])
+    for result in (failed, peer):
+        # The mesh's dimension and flattened groups, and the checkpointer's two.
+        assert result["created"] >= 5, result
+        assert result["alive"] == 0, (
+            f"{result['alive']} process groups outlived the layout: {result}"
+        )
+    assert failed["failed"] and failed["peer_returned"], failed
+    # Released by the failed rank's own collection, not by a timeout: the connection closed.
+    assert "Connection closed by peer" in peer["error"], peer
+    assert peer["waited_s"] < PG_TIMEOUT_S / 2, peer
 
 
 STEP_S = 5.0  # a step still computing when its rank is told to leave (well past the floor)
