@@ -83,3 +83,31 @@ def test_live_state_dicts_equal_get_state_dict_after_every_step(engine):
         _assert_same(staged["optim"], fresh_optim)
     assert len(set(lrs)) == 3, f"the schedule moved the lr each step: {lrs}"
     stager.close()
+
+
+def test_a_load_in_place_restores_the_parameters_without_copying_them_again(engine, tmp_path):
+    """`FSDP2Engine.load` reads into the sharded state dict's DTensors, which share the
+    parameters' storage, so it skips loading the model a second time (`_holds_the_parameters`)
+    and loads only the optimizer: the parameters and optimizer state still return exactly to
+    the saved ones. A state dict of copies is not taken for the parameters."""
+    from raytrain_dt.engines.fsdp2 import _holds_the_parameters
+
+    generator = torch.Generator().manual_seed(0)
+    engine.train_step([torch.randint(0, SHAPE.vocab_size, (1, SEQ_LEN), generator=generator)], 0)
+    model_sd, optim_sd = engine._state_dicts()
+    assert _holds_the_parameters(engine.model, model_sd)
+    assert not _holds_the_parameters(engine.model, {k: v.clone() for k, v in model_sd.items()})
+    saved = {
+        "model": {k: _local(v).clone() for k, v in model_sd.items()},
+        "optim": {
+            k: _local(v).clone() if isinstance(v, torch.Tensor) else v for k, v in optim_sd.items()
+        },
+    }
+    engine.save(str(tmp_path / "ckpt"))
+    engine.train_step([torch.randint(0, SHAPE.vocab_size, (1, SEQ_LEN), generator=generator)], 1)
+    moved = engine._state_dicts()[0]
+    assert any(not torch.equal(_local(moved[k]), v) for k, v in saved["model"].items())
+    engine.load(str(tmp_path / "ckpt"))
+    model_sd, optim_sd = engine._state_dicts()
+    _assert_same(model_sd, saved["model"])
+    _assert_same(optim_sd, saved["optim"])
