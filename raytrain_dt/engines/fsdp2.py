@@ -50,11 +50,11 @@ from raytrain_dt.checkpoint.storage import (
 )
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.grad_norm import clip_gradients
-from raytrain_dt.engines.live_state import LiveStateDicts
+from raytrain_dt.engines.live_state import LiveStateDicts, holds_the_parameters
 from raytrain_dt.engines.micro_loss import micro_step_loss
 from raytrain_dt.engines.moe_step import aux_row_weights, check_moe_layout, reduce_router_stats
 from raytrain_dt.engines.optim import apply_lr_schedule, build_adamw
-from raytrain_dt.models.materialize import local_shard, materialize
+from raytrain_dt.models.materialize import materialize
 from raytrain_dt.models.moe import set_aux_row_weights
 from raytrain_dt.parallel.activation_checkpointing import apply_activation_checkpointing
 from raytrain_dt.parallel.context_parallel import ContextShardLoss, shard_batch
@@ -352,7 +352,7 @@ class FSDP2Engine:
             state = load_packed(state, reader)
         else:
             dcp.load(state, storage_reader=reader)
-        if _holds_the_parameters(self.model, state["model"]):
+        if holds_the_parameters(self.model, state["model"]):
             # Read into the parameters themselves (the sharded state dict's DTensors share
             # their storage): loading them again would copy each onto itself, through
             # DTensor's sharding propagation, which a new layout has not cached (a third of a
@@ -393,23 +393,3 @@ class FSDP2Engine:
             self.model.parameters(), self.cfg.trainer.grad_clip, self.device, self._pp_group
         )
         self.optimizer.zero_grad(set_to_none=True)
-
-
-def _holds_the_parameters(model: nn.Module, model_state: dict) -> bool:
-    """Whether every entry of `model_state` is the storage of the model's own parameter or
-    buffer of that name (so an in-place load has already set them)."""
-    own = dict(model.named_parameters())
-    own.update(model.named_buffers())
-    for name, value in model_state.items():
-        held = own.get(name)
-        if not isinstance(value, torch.Tensor) or held is None:
-            return False
-        ours, theirs = local_shard(value), local_shard(held)
-        if (
-            ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
-            or ours.storage_offset() != theirs.storage_offset()
-            or ours.shape != theirs.shape
-            or ours.stride() != theirs.stride()
-        ):
-            return False
-    return True

@@ -10,7 +10,8 @@ values can go stale: the param groups' (the scheduled lr) and any non-tensor opt
 `LiveStateDicts` finds where each plain value lives in the optimizer once, and each call reads
 those values again, and builds the dicts again if the optimizer's state was replaced (a load).
 Where it cannot place a value (an optimizer whose state it does not know), it falls back to
-`get_state_dict` on every call.
+`get_state_dict` on every call. Because those dicts hold the parameters' own storage, a load
+into them has set the parameters already (`holds_the_parameters`, `FSDP2Engine.load`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from raytrain_dt.models.materialize import local_shard
 
 # A plain value of the flat optimizer dict: (its key, the dict it is read from, its name there).
 _Source = tuple[str, dict, str]
@@ -89,3 +92,23 @@ def _plain_value_sources(
             return None
         sources.append((key, source, name))
     return sources
+
+
+def holds_the_parameters(model: nn.Module, model_state: dict) -> bool:
+    """Whether every entry of `model_state` is the storage of the model's own parameter or
+    buffer of that name (so an in-place load has already set them)."""
+    own = dict(model.named_parameters())
+    own.update(model.named_buffers())
+    for name, value in model_state.items():
+        held = own.get(name)
+        if not isinstance(value, torch.Tensor) or held is None:
+            return False
+        ours, theirs = local_shard(value), local_shard(held)
+        if (
+            ours.untyped_storage().data_ptr() != theirs.untyped_storage().data_ptr()
+            or ours.storage_offset() != theirs.storage_offset()
+            or ours.shape != theirs.shape
+            or ours.stride() != theirs.stride()
+        ):
+            return False
+    return True

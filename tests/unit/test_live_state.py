@@ -17,7 +17,7 @@ from raytrain_dt.checkpoint.staging import ReusableStager
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.engines.base import EngineBuild
 from raytrain_dt.engines.fsdp2 import FSDP2Engine
-from raytrain_dt.engines.live_state import LiveStateDicts
+from raytrain_dt.engines.live_state import LiveStateDicts, holds_the_parameters
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.models.presets import ModelShape
 from raytrain_dt.parallel.device_mesh import build_mesh
@@ -87,16 +87,14 @@ def test_live_state_dicts_equal_get_state_dict_after_every_step(engine):
 
 def test_a_load_in_place_restores_the_parameters_without_copying_them_again(engine, tmp_path):
     """`FSDP2Engine.load` reads into the sharded state dict's DTensors, which share the
-    parameters' storage, so it skips loading the model a second time (`_holds_the_parameters`)
+    parameters' storage, so it skips loading the model a second time (`holds_the_parameters`)
     and loads only the optimizer: the parameters and optimizer state still return exactly to
     the saved ones. A state dict of copies is not taken for the parameters."""
-    from raytrain_dt.engines.fsdp2 import _holds_the_parameters
-
     generator = torch.Generator().manual_seed(0)
     engine.train_step([torch.randint(0, SHAPE.vocab_size, (1, SEQ_LEN), generator=generator)], 0)
     model_sd, optim_sd = engine._state_dicts()
-    assert _holds_the_parameters(engine.model, model_sd)
-    assert not _holds_the_parameters(engine.model, {k: v.clone() for k, v in model_sd.items()})
+    assert holds_the_parameters(engine.model, model_sd)
+    assert not holds_the_parameters(engine.model, {k: v.clone() for k, v in model_sd.items()})
     saved = {
         "model": {k: _local(v).clone() for k, v in model_sd.items()},
         "optim": {
