@@ -422,8 +422,9 @@ class RankWorker:
         now, not at the driver's teardown: a peer blocked with this rank in a gloo sub-group
         is released only when the group's last reference is gone, and the mesh holds its
         groups, while FSDP's state (in reference cycles) and every staged DTensor hold the
-        mesh. In bench_elastic's rank death the blocked survivor waited 1 s for the teardown's
-        release and collection; released here, it fails 0.2 s after the dead rank.
+        mesh. In bench_elastic's rank death the blocked survivor failed 1.0 s after the dead
+        rank, at the end of its peers' teardown; now at the end of their collection (0.2-0.4 s
+        after on a quiet host, 0.6-0.8 s in the whole bench).
 
         Not while a save or an in-memory copy is in flight: it holds staged state (and so the
         mesh) itself, and its outcome must be reported before the coordinator picks what to
