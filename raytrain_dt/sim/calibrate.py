@@ -10,7 +10,8 @@ its `start`/`resize` event, `control/recovery_timing.py`):
 - detection, re-plan, re-form (+ checkpoint verification, model build, warm-up, data start and
   the unattributed rest) and checkpoint load: the first restart after a failure (actors
   reused), or without one (a run with notices only) the first resize;
-  the first step's extra time: that formation's `first_step`; the in-memory restore and
+  the first step's extra time: that formation's `first_step`, and the first growth's for a
+  formation that started actors (`Costs.new_actor_first_step_extra_s`); the in-memory restore and
   hand-over (`Costs.memory_restore_s`, `memory_copy_s`): the same load and JIT save, as
   measured (a run with in-memory copies measures those);
 - actor start: how much longer the first growth (new actors on a new node) took to form;
@@ -74,8 +75,13 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
     # A failure's restart (no drain before it), else the first resize (a notice's).
     restart = next((e for e in resizes if "drain_s" not in e), resizes[0])
     grown = [e for e in resizes if "drain_s" in e]
-    first = [e for e in events if e["event"] == "first_step" and e["time"] > restart["time"]]
-    world = restart["new_layout"]["dims"]["world_size"]
+    started = [e for e in resizes if e.get("new_actors")]  # formations that started actors
+
+    def first_step_extra_s(formation: dict) -> float:
+        first = [e for e in events if e["event"] == "first_step" and e["time"] > formation["time"]]
+        world = formation["new_layout"]["dims"]["world_size"]
+        return max(0.0, first[0]["first_step_s"] - step_s[world]) if first else 0.0
+
     stalls = [e["stall_s"] for e in events if e["event"] == "checkpoint" and "stall_s" in e]
     costs = Costs(
         detection_s=restart.get("detection_s", 0.0),
@@ -86,7 +92,8 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
         # Growth onto a joined node waits for its pre-started actors: from the node's
         # appearance to the decision (the grow resize's detection) is their start.
         actor_start_s=grown[0].get("detection_s", 0.0) if grown else 0.0,
-        first_step_extra_s=max(0.0, first[0]["first_step_s"] - step_s[world]) if first else 0.0,
+        first_step_extra_s=first_step_extra_s(restart),
+        new_actor_first_step_extra_s=first_step_extra_s(started[0]) if started else None,
         ckpt_stall_s=statistics.median(stalls) if stalls else 0.0,
         step_s_by_world=step_s,
     )

@@ -23,6 +23,10 @@ class Costs:
     reform_s: float = 60.0  # process groups, mesh, model and optimizer on reused actors
     actor_start_s: float = 60.0  # new processes (new nodes; every process on a cold restart)
     first_step_extra_s: float = 30.0  # the first step after a formation, beyond a normal one
+    # The first step of a formation that started actors (a growth onto a new node, a cold
+    # restart), beyond a normal one: their first collectives form their connections lazily (on
+    # GPUs, NCCL's communicators), their allocators and data readers warm up. None: as above.
+    new_actor_first_step_extra_s: float | None = None
     # Checkpoints; None derives them from the checkpoint bytes and the bandwidths below.
     ckpt_save_s: float | None = None  # a full, committed write (the JIT save on a notice)
     ckpt_load_s: float | None = None

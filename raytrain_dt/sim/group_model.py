@@ -85,6 +85,7 @@ class GroupModel:
         self.lost: set[int] = set()  # drained nodes, excluded until they are gone
         self.actor_nodes: set[str] = set()
         self.warm_at: dict[int, float] = {}  # joined nodes whose actors start ahead of need
+        self._forming_new_actors = False  # whether the formation under way starts actors
         self.layout, self.layout_nodes, self.layout_ints = None, (), frozenset()
         self.seg: Segment | None = None
         self.step = self.samples = 0
@@ -250,6 +251,7 @@ class GroupModel:
             cost += max(0.0, left)
         self.phase, self.gen = "forming", self.gen + 1
         self.forming = decision
+        self._forming_new_actors = self.strategy.cold_restart or bool(new_nodes)
         self._timer(cost, "formed", decision)
 
     def _roll_back(self) -> bool:
@@ -289,8 +291,16 @@ class GroupModel:
                     self._timer(self.costs.actor_start_s, "warm", node)
         # As the coordinator does: chaos actions at or before the resumed step have fired.
         self.pending = [(i, a) for i, a in self.pending if a.at_step > self.step]
-        self._start_segment(self.t + self.costs.first_step_extra_s, kind, decision.reason)
+        self._start_segment(self.t + self._first_step_extra_s(), kind, decision.reason)
         self._decide("ok")  # what changed while forming (a notice, new nodes) is seen now
+
+    def _first_step_extra_s(self) -> float:
+        """What the formed group's first step costs beyond a normal one: more where it started
+        actors (`Costs.new_actor_first_step_extra_s`)."""
+        c = self.costs
+        if self._forming_new_actors and c.new_actor_first_step_extra_s is not None:
+            return c.new_actor_first_step_extra_s
+        return c.first_step_extra_s
 
     def _start_segment(self, t0: float, kind: str, reason: str) -> None:
         lay = self.layout

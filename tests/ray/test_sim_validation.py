@@ -1,7 +1,7 @@
 """The simulator against a real embedded multi-node run on the same trace (a chaos list): the
 same layouts in the same order, and a timeline within 25% once fed the run's own measured costs
-(`raytrain_dt/sim/calibrate.py` lists what is calibrated; the step counting, lost steps and
-policy decisions are the simulator's own).
+(`raytrain_dt/sim/calibrate.py` lists what is calibrated, the first step on a new node's
+actors included; the step counting, lost steps and policy decisions are the simulator's own).
 
 The test changes the shared cluster's nodes and puts it back as it found it.
 """
@@ -9,6 +9,8 @@ The test changes the shared cluster's nodes and puts it back as it found it.
 from __future__ import annotations
 
 import dataclasses
+import statistics
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,17 @@ def _story(run_dir) -> str:
     origin = next(e["time"] for e in events if e["event"] == "first_step")
     steps = read_jsonl(f"{run_dir}/metrics.jsonl")
     lines = ["steps at: " + " ".join(f"{m['step']}:{m['time'] - origin:.2f}" for m in steps)]
+    # Where a slow step's seconds went, on the rank: its own time and its wait for input.
+    gaps = [(after, after["time"] - before["time"]) for before, after in pairwise(steps)]
+    usual = statistics.median(gap for _, gap in gaps)
+    lines.append(
+        "slow steps: "
+        + " ".join(
+            f"{m['step']}:{gap:.1f}s(step {m['step_time_s']:.2f}s, input {m['data_wait_s']:.2f}s)"
+            for m, gap in gaps
+            if gap > 3 * usual
+        )
+    )
     for e in events:
         at = f"{e['time'] - origin:+.2f}s"
         if e["event"] in ("start", "resize"):

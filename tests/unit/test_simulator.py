@@ -87,12 +87,12 @@ def _hand_setup(memory_every: int = 0, **cost_changes) -> Setup:
     Big enough for compute to outweigh collective latency, so the planner's fastest layout uses
     every GPU it has (on a tiny model one GPU would be fastest)."""
     cfg = scale_config("llama-1b", 8, 2048, 16)
+    cost_changes = {"first_step_extra_s": 0, **cost_changes}
     costs = Costs(
         detection_s=10,
         replan_s=0,
         reform_s=20,
         actor_start_s=30,
-        first_step_extra_s=0,
         ckpt_save_s=0,
         ckpt_load_s=5,
         ckpt_stall_s=0,
@@ -191,6 +191,22 @@ def test_long_warm_actors_cost_nothing_and_never_cancel_the_reform():
         (16, pytest.approx(626.5)),
     ]
     assert result.steps == 263 + 373 and result.steps_lost == 15
+
+
+def test_a_formation_that_starts_actors_pays_their_first_step():
+    """The timeline above with a first step 1 s longer than a normal one, and 4 s longer on
+    actors that never trained: the start's first step from 59 (55 + 4), so at 100.5 step 41 is
+    done and 11 are lost; the restart on kept actors from 136.5 (135.5 + 1); at 600 step 261 is
+    done, step 262 ends at 600.5 and is saved; the growth onto the new node's actors forms at
+    625.5 and trains from 629.5: floor(370.5) = 370 more."""
+    setup = _hand_setup(first_step_extra_s=1, new_actor_first_step_extra_s=4)
+    result = setup.run("ours", _one_event_trace((100.5, DOWN, 1), (300.0, UP, 1)), 30)
+    assert [(f["world"], f["t"]) for f in result.formations] == [
+        (16, 55.0),
+        (8, 135.5),
+        (16, pytest.approx(625.5)),
+    ]
+    assert result.steps == 262 + 370 and result.steps_lost == 11
 
 
 def test_idle_actors_are_kept_and_a_later_layout_pays_no_actor_start():
