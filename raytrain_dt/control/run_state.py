@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from raytrain_dt.control.policies import FailureStreak
 from raytrain_dt.control.recovery_timing import RecoveryTimer
 from raytrain_dt.topology.layout import Layout
-from raytrain_dt.topology.planner import Plan
+from raytrain_dt.topology.plan_result import Plan
 
 
 @dataclass

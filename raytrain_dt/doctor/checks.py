@@ -245,7 +245,7 @@ class RecipePlan:
     or why nothing fits."""
 
     topology: object | None
-    best: object | None  # topology.planner.Candidate
+    best: object | None  # topology.plan_result.Candidate
     refusal: str = ""
 
 

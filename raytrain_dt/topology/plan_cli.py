@@ -20,7 +20,8 @@ from raytrain_dt.topology.memory import ENGINES, shape_for_params
 from raytrain_dt.topology.pins import LayoutPins, engine_pins
 from raytrain_dt.topology.pipeline_stages import split_of
 from raytrain_dt.topology.plan_reasons import versus
-from raytrain_dt.topology.planner import Candidate, Plan, plan
+from raytrain_dt.topology.plan_result import Candidate, Plan
+from raytrain_dt.topology.planner import plan
 
 # About 4M tokens per step, the budget Llama 2/3 pre-training used, unless --global-batch.
 DEFAULT_TOKENS_PER_STEP = 4 * 2**20

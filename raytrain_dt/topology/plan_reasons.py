@@ -19,7 +19,7 @@ from raytrain_dt.topology.memory import (
 )
 
 if TYPE_CHECKING:
-    from raytrain_dt.topology.planner import Candidate
+    from raytrain_dt.topology.plan_result import Candidate
 
 
 def states_gb(shape, dp, zero, precision, engine, tp=1, pp=1, grad_accum=1, cp=1, ep=1) -> float:

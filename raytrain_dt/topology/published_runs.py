@@ -25,7 +25,8 @@ from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.memory import GB, estimate_memory
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.plan_reasons import versus
-from raytrain_dt.topology.planner import Candidate, Plan, plan
+from raytrain_dt.topology.plan_result import Candidate, Plan
+from raytrain_dt.topology.planner import plan
 
 TOLERANCE = 0.20  # predicted throughput within +-20% of the published figure
 # The planner's free pick for a published job is predicted no slower than the published layout,

@@ -28,7 +28,8 @@ from raytrain_dt.topology.pins import (
     engine_refusal,
     model_refusal,
 )
-from raytrain_dt.topology.planner import Plan, plan
+from raytrain_dt.topology.plan_result import Plan
+from raytrain_dt.topology.planner import plan
 from raytrain_dt.topology.precision import resolve_precision
 
 log = logging.getLogger(__name__)

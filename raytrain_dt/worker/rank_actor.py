@@ -2,8 +2,10 @@
 given `RankSpec`, trains in a thread, and answers health polls while it does.
 
 Ray is used only at this boundary (the class is made remote by the coordinator); the train
-step itself (`worker.train_loop`) makes no Ray calls. `teardown` destroys the process group and
-frees the model so the same actor can join the next layout without re-importing torch.
+step itself (`worker.train_loop`) makes no Ray calls. Leaving a layout (`teardown`, and the
+release of a layout whose loop failed) is `LeavesLayouts` (`worker/layout_release.py`): it
+destroys the process groups and frees the model so the same actor can join the next layout
+without re-importing torch.
 """
 
 from __future__ import annotations
@@ -17,21 +19,16 @@ import socket
 import threading
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
-import torch.distributed as dist
-
 from raytrain_dt.accel.device import (
-    DeviceSpec,
     accelerator_name,
     host_memory,
     memory_usage,
     ray_accelerator_index,
     ray_device_kind,
-    release_accelerator_memory,
     reset_host_peak,
-    return_free_host_memory,
     select_device,
 )
 from raytrain_dt.checkpoint.digests import verify_files
@@ -45,14 +42,9 @@ from raytrain_dt.engines.optim import scheduled_lr
 from raytrain_dt.models.materialize import initial_weights
 from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
-from raytrain_dt.observe.phases import PhaseTimer
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.input_stream import InputStream
-from raytrain_dt.worker.layout_release import (
-    abort_process_groups,
-    forget_layout_caches,
-    where_thread_is,
-)
+from raytrain_dt.worker.layout_release import LeavesLayouts, abort_process_groups
 from raytrain_dt.worker.notices import NoticeBoard, route_sigterm
 from raytrain_dt.worker.peer_copies import (
     COPY_GROUP,
@@ -69,27 +61,6 @@ from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
 
 log = logging.getLogger("raytrain_dt.rank")
-
-# The least time an aborted collective may take to raise in the training thread and the
-# thread to return before the actor is given up (the coordinator gives a step: `Deadlines.
-# leave_bound`). A survivor given up takes its in-memory copies (its own and a peer's) with it,
-# and a replacement costs a process start and a load: seconds; on a loaded host the abort
-# alone takes over 0.2 s.
-ABORTED_COLLECTIVE_GRACE_S = 2.0
-# The same on gloo, whose abort releases no peer (`DeviceSpec.abort_releases_peers`): a
-# collective blocked on a live peer whose own loop failed returns when that peer's old layout
-# is collected after its teardown, which on a loaded host (CI's 2 cores, two runs) took over
-# 2 s, and a healthy survivor was replaced. A collective blocked on a dead peer returns at
-# once (its sockets closed with its process): only a stuck peer costs the whole grace.
-GLOO_ABORTED_COLLECTIVE_GRACE_S = 10.0
-
-
-def aborted_collective_grace_s(device: DeviceSpec | None) -> float:
-    """The least time an aborted collective is given to return on this layout's device."""
-    if device is not None and not device.abort_releases_peers:
-        return GLOO_ABORTED_COLLECTIVE_GRACE_S
-    return ABORTED_COLLECTIVE_GRACE_S
-
 
 # What `ray.remote` makes the actor class with: copies are held and read beside set-up, and
 # polls and teardown are answered during a set-up (which may be waiting on a dead peer).
@@ -121,7 +92,7 @@ def import_lazy_torch_modules() -> None:
     gc.freeze()
 
 
-class RankWorker:
+class RankWorker(LeavesLayouts):
     def __init__(self, run_dir: str, actor_index: int):
         self._init_at = time.time()
         route_sigterm()  # the constructor runs on the main thread, the methods do not
@@ -417,34 +388,6 @@ class RankWorker:
         if failed:  # outside the handler: its traceback's frames hold the engine
             self._let_go_of_failed_layout()
 
-    def _let_go_of_failed_layout(self) -> None:
-        """A failed rank's layout is dead (its groups aborted), so it is released and collected
-        now, not at the driver's teardown: a peer blocked with this rank in a gloo sub-group
-        is released only when the group's last reference is gone, and the mesh holds its
-        groups, while FSDP's state (in reference cycles) and every staged DTensor hold the
-        mesh. In bench_elastic's rank death the blocked survivor failed 1.0 s after the dead
-        rank, at the end of its peers' teardown; now at the end of their collection (0.2-0.4 s
-        after on a quiet host, 0.6-0.8 s in the whole bench).
-
-        Not while a save or an in-memory copy is in flight: it holds staged state (and so the
-        mesh) itself, and its outcome must be reported before the coordinator picks what to
-        resume from (`teardown` waits for it)."""
-        copying = self._copier is not None and self._copier.busy
-        saving = self.checkpointer is not None and not self.checkpointer.wait(0)
-        if copying or saving:
-            return
-        started = time.perf_counter()
-        self._release_layout()
-        self._released_at_failure = True
-        log.info(
-            "rank %s let its failed layout go in %.3fs",
-            self.spec.rank if self.spec else "?",
-            time.perf_counter() - started,
-        )
-        # Next on this thread, after `_run` has returned: a teardown waiting for the loop to
-        # end answers at once, and the driver re-plans meanwhile; the next set-up follows it.
-        self._torch_thread.submit(self._free_old_layout)
-
     def _train_state(self, step: int, consumed: int) -> dict:
         next_lr = scheduled_lr(self.spec.cfg.trainer, step)
         return train_state_record(self.spec, step, consumed, self._tensor_shapes, next_lr)
@@ -519,123 +462,3 @@ class RankWorker:
     def full_state_dict(self) -> dict:
         """Gathered parameters (collective; every rank must be asked). For tests and export."""
         return self._torch_thread.submit(self.engine.full_state_dict).result()
-
-    def stop(self, timeout_s: float = 30.0) -> None:
-        self._stop.set()
-        if self._training is not None:
-            wait([self._training], timeout=timeout_s)
-
-    def teardown(
-        self,
-        grace_s: float = 2.0,
-        keep_save: bool = True,
-        return_s: float = ABORTED_COLLECTIVE_GRACE_S,
-        save_grace_s: float = 5.0,
-    ) -> bool:
-        """Leave the current layout: end the loop (or a set-up still joining its peers), let a
-        save in flight finish (for at most `save_grace_s`: its outcome stays queued for the
-        coordinator's next poll, which decides whether that checkpoint commits; with
-        `keep_save` False it is abandoned at once: the resume needs it not), free model
-        and data, destroy the process group. The actor (and its imported torch) stays for the
-        next layout. `return_s`: how long the torch thread may take to return once its
-        communicators are aborted (the rest of its step: it raises at its next collective).
-        Returns False when the torch thread is stuck (in a collective with a dead
-        or hung peer): such an actor cannot be reused and the coordinator replaces it. An
-        aborted collective is given at least `aborted_collective_grace_s` of this device.
-        Runs in the control concurrency group, beside a set-up that may be waiting."""
-        phases = PhaseTimer()
-        self.stop(grace_s)  # `_stop` also ends a set-up's wait for its peers (`join_store`)
-        phases.lap("loop")
-        if self.checkpointer is not None and not keep_save:
-            self.checkpointer.abandon()
-        # A save runs in threads of its own, so it finishes even when the loop is stuck.
-        if self.checkpointer is not None and not self.checkpointer.wait(save_grace_s):
-            log.warning(
-                "rank %s: a checkpoint save still in flight after %.0fs",
-                self.spec.rank if self.spec else "?",
-                save_grace_s,
-            )
-        phases.lap("save")
-        if self._setting_up is not None and not self._setting_up.done():
-            # Told to leave (`_stop`), a set-up still joining returns within a poll of its
-            # join; the loop was given its grace by `stop`.
-            wait([self._setting_up], timeout=grace_s)
-        busy = [f for f in (self._training, self._setting_up) if f is not None and not f.done()]
-        if busy:
-            # Blocked in a collective with a dead or hung peer: abort the communicators (NCCL's
-            # ncclCommAbort; the emulated backend's equivalent), which makes the collective
-            # raise in the torch thread, as torchft does, and wait for the thread once more.
-            where = where_thread_is(self._torch_thread_id)
-            abort_process_groups()
-            return_s = max(return_s, aborted_collective_grace_s(self._device))
-            wait(busy, timeout=return_s)
-            if any(not f.done() for f in busy):
-                log.warning(
-                    "rank %s: torch thread still busy %.1fs after aborting its "
-                    "groups; not reusable. It is at:\n%s",
-                    self.spec.rank if self.spec else "?",
-                    return_s,
-                    where,
-                )
-                return False
-            log.info(
-                "rank %s: aborted its process groups; the torch thread returned from:\n%s",
-                self.spec.rank if self.spec else "?",
-                where,
-            )
-        phases.lap("set-up and abort")
-        if self.notices is not None:
-            self.notices.release_sigterm()
-        if not self._released_at_failure:
-            self._torch_thread.submit(self._release_layout).result()
-        phases.lap("release")
-        log.info(
-            "rank %s left its layout in %s",
-            self.spec.rank if self.spec else "?",
-            phases.describe(),
-        )
-        # It takes 0.1-0.3 s, so it runs after this call has answered, while the coordinator
-        # re-plans and forms; the next set-up runs on the same thread after it, so the old
-        # state is gone before the new one is built.
-        if not self._released_at_failure:
-            self._torch_thread.submit(self._free_old_layout)
-        self._released_at_failure = False
-        return True
-
-    def park(self) -> bool:
-        """Kept warm for the driver's next run (`RankGroup.shutdown`), after `teardown`: give
-        the heap's freed pages back to the OS, so an actor waiting for a run does not hold its
-        last model's memory. On the torch thread, after the old layout is freed."""
-        return self._torch_thread.submit(return_free_host_memory).result()
-
-    def _release_layout(self) -> None:
-        if self._copier is not None:
-            self._copier.close()  # a copy in flight is held and reported first
-            self._copier = None
-        self.engine = None
-        self.checkpointer = None
-        if self._batches is not None:
-            self._batches.close()  # a pipeline still starting would go on for nobody
-        self._batches = None
-        self._setting_up = None
-        if dist.is_initialized():  # not after an abort, which has already dropped every group
-            dist.destroy_process_group()
-        self._store = None  # rank 0's server closes with it
-        forget_layout_caches()
-
-    def _free_old_layout(self) -> None:
-        """The old layout's model and optimizer sit in reference cycles (modules and their
-        hooks): a full collection frees them. Then hand the accelerator's cached blocks back
-        and restart the peak statistic, so the next layout (or run: a warm actor) measures its
-        own. The host heap keeps its freed pages: the next layout, built at once, reuses them
-        instead of faulting in fresh ones (`park` returns them when no layout follows)."""
-        started = time.perf_counter()
-        freed = gc.collect()
-        log.info(
-            "actor %d: old layout collected in %.3fs (%d objects)",
-            self.actor_index,
-            time.perf_counter() - started,
-            freed,
-        )
-        if self._device is not None:
-            release_accelerator_memory(self._device)

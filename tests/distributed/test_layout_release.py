@@ -184,11 +184,11 @@ def _leave_mid_step(run_dir: str, out) -> None:
         import torch
 
         from raytrain_dt.accel.device import DeviceSpec
-        from raytrain_dt.worker.rank_actor import (
+        from raytrain_dt.worker.layout_release import (
             ABORTED_COLLECTIVE_GRACE_S,
             GLOO_ABORTED_COLLECTIVE_GRACE_S,
-            RankWorker,
         )
+        from raytrain_dt.worker.rank_actor import RankWorker
 
         # A slow wake-up stays within each bound.
         assert ABORTED_COLLECTIVE_GRACE_S + 2.5 < STEP_S < GLOO_ABORTED_COLLECTIVE_GRACE_S - 2.5

@@ -24,7 +24,8 @@ from raytrain_dt.topology.layout import Layout, Topology
 from raytrain_dt.topology.parallel_dims import ParallelDims
 from raytrain_dt.topology.pins import LayoutPins, engine_refusal
 from raytrain_dt.topology.plan_cli import add_plan_arguments, run_plan
-from raytrain_dt.topology.planner import Plan, plan
+from raytrain_dt.topology.plan_result import Plan
+from raytrain_dt.topology.planner import plan
 
 H100 = 80e9
 
