@@ -34,9 +34,13 @@
     through the page cache, in turn, with the kernel CPU each write costs; the fastest of a
     few repeats each.
 
+(d) The GIL the async write takes from the training thread (bench/checkpoint_gil.py): on a GPU
+    host the training thread launches kernels in Python, and the writer's GIL is time it
+    cannot. No target of its own.
+
 Prints one line per result and writes bench/results/checkpoint.json (a run of some parts keeps
 the other parts' last results); exits 1 when any target is missed.
-Run: python bench/bench_checkpoint.py [--windows W] [--every N] [--parts save,commit]
+Run: python bench/bench_checkpoint.py [--windows W] [--every N] [--parts save,commit,gil]
 (save: (a) and (b)). `--smoke`: a tiny model, one window of 2 steps, commit sizes / 100, one
 repeat each, written to runs/bench/checkpoint_smoke.json: checks that the script works (a few
 minutes on a busy 2-core machine); its figures mean nothing.
@@ -45,7 +49,6 @@ minutes on a busy 2-core machine); its figures mean nothing.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import platform
@@ -67,6 +70,7 @@ from checkpoint_commit import (
     bench_hashing,
     commit_target_met,
 )
+from checkpoint_gil import GIL_TABLE, bench_write_gil, rank_engine
 
 SHAPE = {
     "dim": 512,
@@ -97,27 +101,9 @@ def _rank_main(
     import torch
     import torch.distributed as dist
 
-    from raytrain_dt.accel.device import select_device
-    from raytrain_dt.config.schema import TrainConfig
-    from raytrain_dt.engines.base import EngineBuild
-    from raytrain_dt.engines.fsdp2 import FSDP2Engine
-    from raytrain_dt.models.model_spec import llama_spec
-    from raytrain_dt.models.presets import ModelShape
-    from raytrain_dt.parallel.device_mesh import build_mesh
-    from raytrain_dt.topology.layout import Layout
-    from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer
 
-    # One intra-op thread per rank, as inside the Ray actors (Ray sets OMP_NUM_THREADS=1).
-    torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    device = select_device("fp32")
-    layout = Layout(ParallelDims(world_size=world, dp_shard=world), 3, 1, 1)
-    mesh = build_mesh(layout.dims, device.device_type)
-    cfg = TrainConfig()
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=SEQ_LEN))
-    engine = FSDP2Engine(EngineBuild(llama_spec(ModelShape(**shape)), cfg, layout, mesh, device))
+    engine, device = rank_engine(shape, SEQ_LEN, world, rank, port)
     tokens = torch.randint(0, shape["vocab_size"], (1, SEQ_LEN))
     steps = itertools.count()
 
@@ -359,7 +345,10 @@ def main() -> int:
     )
     parser.add_argument("--commit-repeats", type=int, default=41)
     parser.add_argument("--hash-repeats", type=int, default=3)
-    parser.add_argument("--parts", default="save,commit", help="save: (a) and (b); commit: (c)")
+    parser.add_argument("--gil-repeats", type=int, default=3)
+    parser.add_argument(
+        "--parts", default="save,commit,gil", help="save: (a) and (b); commit: (c); gil: (d)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "checkpoint.json"))
     parser.add_argument("--smoke", action="store_true", help="check the script works (see top)")
     args = parser.parse_args()
@@ -375,7 +364,8 @@ def main() -> int:
     out = Path(args.out)
     # A run of some parts keeps the other parts' last results.
     previous = json.loads(out.read_text()) if out.exists() else {}
-    cases, tables = previous.get("cases", []), previous.get("tables", [])
+    cases = previous.get("cases", [])
+    tables = {table["title"]: table for table in previous.get("tables", [])}
     missed = []
     with tempfile.TemporaryDirectory(prefix="bench_ckpt_") as tmp:
         if "save" in parts:
@@ -387,10 +377,11 @@ def main() -> int:
             if not commit_target_met(commits):
                 print("FAIL: driver commit not flat within 2x, or checkpoint bytes were read")
                 missed.append("commit")
-            tables = [
-                {"title": COMMIT_TABLE, "cases": commits},
-                {"title": HASHING_TABLE, "cases": hashing},
-            ]
+            tables[COMMIT_TABLE] = {"title": COMMIT_TABLE, "cases": commits}
+            tables[HASHING_TABLE] = {"title": HASHING_TABLE, "cases": hashing}
+        if "gil" in parts:
+            gil = bench_write_gil(Path(tmp) / "gil", shape, SEQ_LEN, args.gil_repeats)
+            tables[GIL_TABLE] = {"title": GIL_TABLE, "cases": gil}
     record = {
         "title": "Checkpoint costs",
         # As run; a run of some parts says when the parts it kept were measured.
@@ -409,7 +400,7 @@ def main() -> int:
         "notes": f"1-min load average at the end {os.getloadavg()[0]:.1f}"
         + "".join(
             f"; the {part} part kept from the run of {previous.get('measured_at', '?')}"
-            for part in sorted({"save", "commit"} - parts)
+            for part in sorted({"save", "commit", "gil"} - parts)
             if previous
         )
         + (
@@ -418,7 +409,7 @@ def main() -> int:
             else ""
         ),
         "cases": cases,
-        "tables": tables,
+        "tables": [tables[t] for t in (COMMIT_TABLE, HASHING_TABLE, GIL_TABLE) if t in tables],
     }
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")

@@ -1,0 +1,162 @@
+"""(d) of bench_checkpoint.py: the GIL a background checkpoint write takes from the training
+thread.
+
+On a GPU host the training thread spends its step launching kernels, in Python: every moment
+the async save's writer thread holds the GIL is a moment no kernel is launched, whatever the
+host's free cores. On CPU the step's own compute hides that (its kernels release the GIL), so
+it is measured apart: one rank (gloo, world 1) holds bench_checkpoint's model and optimizer
+state; its main thread, standing in for a launch-bound training thread, runs a pure-Python loop
+while an async save writes, and the loop's progress against its rate with no write says how
+many of the write's seconds it could not run. With the writer and the loop on two cores of
+their own, that is the GIL the write held. Target: none of its own; GPU hosts' async
+overhead (bench_gpu_state.py) is where it shows.
+
+Cases: the writes as the ranks make them (digested files, whose records' CRC32 is left out:
+`checkpoint.storage.dcp_writer`), and the same with CRC32 on, as torch writes by default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+import statistics
+import time
+from pathlib import Path
+
+GIL_TABLE = (
+    "The GIL an async checkpoint write takes from the training thread: a pure-Python loop in "
+    "the rank's main thread (a GPU host's launch-bound training thread) while one rank's "
+    "state is written in the background; the seconds of the write it could not run, against "
+    "its rate with no write (median of the repeats; 2 threads on this host's 2 cores)"
+)
+PROBE_CHUNK = 2_000  # loop iterations between clock reads
+
+
+def rank_engine(shape: dict, seq_len: int, world: int, rank: int = 0, port: int | None = None):
+    """bench_checkpoint's rank: its process group (gloo, one intra-op thread, as in the Ray
+    actors), the FSDP2 engine over `world` ranks (ZeRO-3) with its AdamW moments created by one
+    step, and its device."""
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_dt.accel.device import select_device
+    from raytrain_dt.config.schema import TrainConfig
+    from raytrain_dt.engines.base import EngineBuild
+    from raytrain_dt.engines.fsdp2 import FSDP2Engine
+    from raytrain_dt.models.model_spec import llama_spec
+    from raytrain_dt.models.presets import ModelShape
+    from raytrain_dt.parallel.device_mesh import build_mesh
+    from raytrain_dt.topology.layout import Layout
+    from raytrain_dt.topology.parallel_dims import ParallelDims
+
+    torch.set_num_threads(1)
+    if port is None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = select_device("fp32")
+    layout = Layout(ParallelDims(world_size=world, dp_shard=world), 3, 1, 1)
+    mesh = build_mesh(layout.dims, device.device_type)
+    cfg = TrainConfig()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len))
+    engine = FSDP2Engine(EngineBuild(llama_spec(ModelShape(**shape)), cfg, layout, mesh, device))
+    return engine, device
+
+
+def _probe_rate(seconds: float) -> float:
+    """Loop iterations per second with nothing else running in the process."""
+    done, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(PROBE_CHUNK):
+            pass
+        done += PROBE_CHUNK
+    return done / (time.perf_counter() - started)
+
+
+def _write_while_probing(engine, group, uri: str, crc32: bool, rate: float) -> tuple[float, float]:
+    """One async save to `uri` (its write's collectives on `group`), the probe running until
+    its write is done: (the write's seconds, the seconds of it the probe could not run)."""
+    import torch.serialization
+
+    from raytrain_dt.checkpoint.digests import FileDigests
+    from raytrain_dt.checkpoint.storage import dcp_writer
+
+    writer = dcp_writer(uri, FileDigests())
+    torch.serialization.set_crc32_options(crc32)  # after `dcp_writer`, which sets it
+    started = time.perf_counter()
+    future = engine.save_async(uri, group, storage_writer=writer)
+    done = 0
+    while not future.done():
+        for _ in range(PROBE_CHUNK):
+            pass
+        done += PROBE_CHUNK
+    future.result()
+    write_s = time.perf_counter() - started
+    return write_s, max(0.0, write_s - done / rate)
+
+
+def _measure(scratch: str, shape: dict, seq_len: int, repeats: int, results) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from raytrain_dt.worker.checkpointing import side_groups
+
+    engine, _ = rank_engine(shape, seq_len, world=1)
+    tokens = torch.randint(0, shape["vocab_size"], (1, seq_len))
+    steps = iter(range(1_000_000))
+    engine.train_step([tokens], next(steps))  # creates the AdamW moments
+    write_group, _ = side_groups()
+    # Untimed: the first async save allocates the staging buffers and caches the plans.
+    _write_while_probing(engine, write_group, f"{scratch}/first", crc32=False, rate=1.0)
+    rate = _probe_rate(1.0)
+    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
+    for i in range(repeats):  # the two kinds in turn, so the host's other work weighs alike
+        for crc32 in (False, True):
+            # A step between saves, untimed, as in training (its optimizer takes the staged
+            # copy's completion: `FSDP2Engine._hold_optimizer_until`).
+            engine.train_step([tokens], next(steps))
+            uri = f"{scratch}/{crc32}_{i}"
+            runs[crc32].append(_write_while_probing(engine, write_group, uri, crc32, rate))
+    size = sum(f.stat().st_size for f in Path(scratch, "False_0").rglob("*") if f.is_file())
+    results.put((size, runs))
+    dist.destroy_process_group()
+
+
+def bench_write_gil(scratch: Path, shape: dict, seq_len: int, repeats: int) -> list[dict]:
+    """(d): one case per kind of write (CRC32 off, as the ranks write; on, torch's default)."""
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_measure, args=(str(scratch), shape, seq_len, repeats, results))
+    proc.start()
+    size, runs = results.get(timeout=1800)
+    proc.join()
+    cases = []
+    for crc32, label in (
+        (False, "as the ranks write: digested files, records without CRC32"),
+        (True, "records with CRC32 (torch.save's default)"),
+    ):
+        write_s = statistics.median(w for w, _ in runs[crc32])
+        held_s = statistics.median(h for _, h in runs[crc32])
+        cases.append(
+            {
+                "case": label,
+                "state_bytes": size,
+                "repeats": repeats,
+                "write_s": round(write_s, 3),
+                "gil_taken_s": round(held_s, 3),
+                "gil_taken_share_of_write": f"{held_s / write_s:.0%}",
+                "per_repeat (write/gil taken)": " ".join(
+                    f"{w:.2f}/{h:.2f}" for w, h in runs[crc32]
+                ),
+            }
+        )
+        print(
+            f"write GIL, {label}: {size / 1e6:.0f} MB written in {write_s:.2f} s, of which the "
+            f"training thread could not run {held_s:.2f} s ({held_s / write_s:.0%})"
+        )
+    return cases
