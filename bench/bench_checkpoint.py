@@ -382,6 +382,9 @@ def main() -> int:
         if "gil" in parts:
             gil = bench_write_gil(Path(tmp) / "gil", shape, SEQ_LEN, args.gil_repeats)
             tables[GIL_TABLE] = {"title": GIL_TABLE, "cases": gil}
+    now = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    # When each part was measured: a run of some parts keeps the others' figures and dates.
+    measured = previous.get("part_measured_at", {}) | {part: now for part in parts}
     record = {
         "title": "Checkpoint costs",
         # As run; a run of some parts says when the parts it kept were measured.
@@ -396,12 +399,13 @@ def main() -> int:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "cpus": os.cpu_count(),
-        "measured_at": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "measured_at": now,
+        "part_measured_at": measured,
         "notes": f"1-min load average at the end {os.getloadavg()[0]:.1f}"
         + "".join(
-            f"; the {part} part kept from the run of {previous.get('measured_at', '?')}"
+            f"; the {part} part kept from the run of {measured.get(part, '?')}"
             for part in sorted({"save", "commit", "gil"} - parts)
-            if previous
+            if part in measured
         )
         + (
             "; SMOKE RUN (--smoke): tiny model and sizes, figures mean nothing"

@@ -6,13 +6,14 @@ the async save's writer thread holds the GIL is a moment no kernel is launched, 
 host's free cores. On CPU the step's own compute hides that (its kernels release the GIL), so
 it is measured apart: one rank (gloo, world 1) holds bench_checkpoint's model and optimizer
 state; its main thread, standing in for a launch-bound training thread, runs a pure-Python loop
-while an async save writes, and the loop's progress against its rate with no write says how
-many of the write's seconds it could not run. With the writer and the loop on two cores of
-their own, that is the GIL the write held. Target: none of its own; GPU hosts' async
+while an async save writes, and what its chunks of work take beyond their usual time (measured
+just before) says how many of the write's seconds it could not run. With the writer and the
+loop on two cores of their own, that is the GIL the write held. Target: none of its own; GPU hosts' async
 overhead (bench_gpu_state.py) is where it shows.
 
-Cases: the writes as the ranks make them (digested files, whose records' CRC32 is left out:
-`checkpoint.storage.dcp_writer`), and the same with CRC32 on, as torch writes by default.
+Beside it, the CPU seconds the save's threads used (the process's, less the loop's own). The
+figure moves from run to run on this VM (1.1-2.7 s for the same write on a quiet host): the
+loop's usual chunk time is measured just before each write, and each write is repeated.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ GIL_TABLE = (
     "The GIL an async checkpoint write takes from the training thread: a pure-Python loop in "
     "the rank's main thread (a GPU host's launch-bound training thread) while one rank's "
     "state is written in the background; the seconds of the write it could not run, against "
-    "its rate with no write (median of the repeats; 2 threads on this host's 2 cores)"
+    "what its chunks of work took beyond their usual time (median of the repeats; 2 threads on "
+    "this host's 2 cores)"
 )
 PROBE_CHUNK = 2_000  # loop iterations between clock reads
 
@@ -66,36 +68,39 @@ def rank_engine(shape: dict, seq_len: int, world: int, rank: int = 0, port: int 
     return engine, device
 
 
-def _probe_rate(seconds: float) -> float:
-    """Loop iterations per second with nothing else running in the process."""
-    done, started = 0, time.perf_counter()
+def _chunk_seconds(seconds: float) -> float:
+    """The loop's usual time per chunk with nothing else running in the process: the median
+    chunk over `seconds`."""
+    chunks, started = [], time.perf_counter()
     while time.perf_counter() - started < seconds:
+        at = time.perf_counter()
         for _ in range(PROBE_CHUNK):
             pass
-        done += PROBE_CHUNK
-    return done / (time.perf_counter() - started)
+        chunks.append(time.perf_counter() - at)
+    return statistics.median(chunks)
 
 
-def _write_while_probing(engine, group, uri: str, crc32: bool, rate: float) -> tuple[float, float]:
+def _write_while_probing(engine, group, uri: str) -> tuple[float, float, float]:
     """One async save to `uri` (its write's collectives on `group`), the probe running until
-    its write is done: (the write's seconds, the seconds of it the probe could not run)."""
-    import torch.serialization
-
+    its write is done: (the write's seconds, the seconds of it the probe could not run: what
+    its chunks took beyond their usual time, measured just before; the CPU seconds of every
+    other thread of the process meanwhile: the save's)."""
     from raytrain_dt.checkpoint.digests import FileDigests
     from raytrain_dt.checkpoint.storage import dcp_writer
 
-    writer = dcp_writer(uri, FileDigests())
-    torch.serialization.set_crc32_options(crc32)  # after `dcp_writer`, which sets it
-    started = time.perf_counter()
+    writer = dcp_writer(uri, FileDigests())  # as the ranks write: digested
+    usual = _chunk_seconds(0.5)
+    started, cpu, probe_cpu = time.perf_counter(), time.process_time(), time.thread_time()
     future = engine.save_async(uri, group, storage_writer=writer)
-    done = 0
+    stalled = 0.0
     while not future.done():
+        at = time.perf_counter()
         for _ in range(PROBE_CHUNK):
             pass
-        done += PROBE_CHUNK
+        stalled += max(0.0, time.perf_counter() - at - usual)
     future.result()
-    write_s = time.perf_counter() - started
-    return write_s, max(0.0, write_s - done / rate)
+    save_cpu = (time.process_time() - cpu) - (time.thread_time() - probe_cpu)
+    return time.perf_counter() - started, stalled, save_cpu
 
 
 def _measure(scratch: str, shape: dict, seq_len: int, repeats: int, results) -> None:
@@ -110,23 +115,20 @@ def _measure(scratch: str, shape: dict, seq_len: int, repeats: int, results) -> 
     engine.train_step([tokens], next(steps))  # creates the AdamW moments
     write_group, _ = side_groups()
     # Untimed: the first async save allocates the staging buffers and caches the plans.
-    _write_while_probing(engine, write_group, f"{scratch}/first", crc32=False, rate=1.0)
-    rate = _probe_rate(1.0)
-    runs: dict[bool, list[tuple[float, float]]] = {False: [], True: []}
-    for i in range(repeats):  # the two kinds in turn, so the host's other work weighs alike
-        for crc32 in (False, True):
-            # A step between saves, untimed, as in training (its optimizer takes the staged
-            # copy's completion: `FSDP2Engine._hold_optimizer_until`).
-            engine.train_step([tokens], next(steps))
-            uri = f"{scratch}/{crc32}_{i}"
-            runs[crc32].append(_write_while_probing(engine, write_group, uri, crc32, rate))
-    size = sum(f.stat().st_size for f in Path(scratch, "False_0").rglob("*") if f.is_file())
+    _write_while_probing(engine, write_group, f"{scratch}/first")
+    runs = []
+    for i in range(repeats):
+        # A step between saves, untimed, as in training (its optimizer takes the staged copy's
+        # completion: `FSDP2Engine._hold_optimizer_until`).
+        engine.train_step([tokens], next(steps))
+        runs.append(_write_while_probing(engine, write_group, f"{scratch}/save_{i}"))
+    size = sum(f.stat().st_size for f in Path(scratch, "save_0").rglob("*") if f.is_file())
     results.put((size, runs))
     dist.destroy_process_group()
 
 
 def bench_write_gil(scratch: Path, shape: dict, seq_len: int, repeats: int) -> list[dict]:
-    """(d): one case per kind of write (CRC32 off, as the ranks write; on, torch's default)."""
+    """(d): the write as the ranks make it, `repeats` times."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -135,28 +137,23 @@ def bench_write_gil(scratch: Path, shape: dict, seq_len: int, repeats: int) -> l
     proc.start()
     size, runs = results.get(timeout=1800)
     proc.join()
-    cases = []
-    for crc32, label in (
-        (False, "as the ranks write: digested files, records without CRC32"),
-        (True, "records with CRC32 (torch.save's default)"),
-    ):
-        write_s = statistics.median(w for w, _ in runs[crc32])
-        held_s = statistics.median(h for _, h in runs[crc32])
-        cases.append(
-            {
-                "case": label,
-                "state_bytes": size,
-                "repeats": repeats,
-                "write_s": round(write_s, 3),
-                "gil_taken_s": round(held_s, 3),
-                "gil_taken_share_of_write": f"{held_s / write_s:.0%}",
-                "per_repeat (write/gil taken)": " ".join(
-                    f"{w:.2f}/{h:.2f}" for w, h in runs[crc32]
-                ),
-            }
-        )
-        print(
-            f"write GIL, {label}: {size / 1e6:.0f} MB written in {write_s:.2f} s, of which the "
-            f"training thread could not run {held_s:.2f} s ({held_s / write_s:.0%})"
-        )
-    return cases
+    write_s, held_s, cpu_s = (statistics.median(r[i] for r in runs) for i in range(3))
+    print(
+        f"write GIL: {size / 1e6:.0f} MB written in {write_s:.2f} s, of which the training "
+        f"thread could not run {held_s:.2f} s ({held_s / write_s:.0%}); the save's threads "
+        f"used {cpu_s:.2f} s of CPU"
+    )
+    return [
+        {
+            "case": "async save of one rank's state, as the ranks write it",
+            "state_bytes": size,
+            "repeats": repeats,
+            "write_s": round(write_s, 3),
+            "gil_taken_s": round(held_s, 3),
+            "gil_taken_share_of_write": f"{held_s / write_s:.0%}",
+            "save_cpu_s": round(cpu_s, 3),
+            "per_repeat (write/gil taken/save cpu)": " ".join(
+                f"{w:.2f}/{h:.2f}/{c:.2f}" for w, h, c in runs
+            ),
+        }
+    ]

@@ -85,21 +85,12 @@ class Location:
 def dcp_writer(uri: str, digests=None):
     """DCP's writer for `uri`; with `digests` (a `digests.FileDigests`), every file it writes
     is hashed as it is written and recorded there."""
-    import torch.serialization
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from raytrain_dt.checkpoint.digests import DigestingFileSystem
     from raytrain_dt.checkpoint.direct_io import DirectFileSystem
 
-    # A file DCP writes is a zip of records (torch.save), each with its CRC32, which torch
-    # computes in `write_record` without releasing the GIL: 0.7 s of the 2.8-s save of a 703 MB
-    # rank state measured here (`bench/bench_checkpoint.py`'s model), the GIL taken from the
-    # training thread while an async save writes (on a GPU, from its kernel launches). Files
-    # with digests are verified by them, whole, before any rank loads them (`verify_files`):
-    # their records' CRC32 is left out (torch.load reads them as ever). The option is the
-    # process's: a write without digests turns it back on.
-    torch.serialization.set_crc32_options(digests is None)
     loc = Location.parse(uri)
     if loc.is_local:
         writer = FileSystemWriter(loc.path)
