@@ -2,7 +2,7 @@
 its loop, lets a save in flight finish, aborts process groups stuck in a collective (saying
 where the training thread is stuck), releases the layout (at the driver's teardown, or at once
 when its loop failed) and collects it; and the per-thread DTensor caches that would tie a
-reused actor to the old layout's meshes and process groups.
+reused actor to the old layout's meshes and process groups, and a failed backward's nodes.
 """
 
 from __future__ import annotations
@@ -208,6 +208,7 @@ class LeavesLayouts:
             dist.destroy_process_group()
         self._store = None  # rank 0's server closes with it
         forget_layout_caches()
+        forget_failed_backward()
 
     def _free_old_layout(self) -> None:
         """The old layout's model and optimizer sit in reference cycles (modules and their
@@ -245,6 +246,23 @@ def abort_process_groups() -> None:
 def where_thread_is(thread_id: int, depth: int = 6) -> str:
     frame = sys._current_frames().get(thread_id)
     return "".join(traceback.format_stack(frame)[-depth:]) if frame else "(gone)"
+
+
+def forget_failed_backward() -> None:
+    """A backward that raised (a collective failing in FSDP's post-backward hook, as when a
+    peer is lost) leaves the nodes it had not run in this thread's autograd ready queue, a
+    thread-local of torch's engine that outlives the backward. Those nodes hold FSDP's param
+    groups, and through them the mesh and its process groups: on gloo a peer blocked in a
+    collective with this rank stays blocked until the groups are gone. (A candidate cause of a
+    gate's survivor that waited 10 s in a reduce-scatter with a rank whose layout had been
+    released and collected, and was replaced; on a host overloaded by other work, and not
+    reproduced.) Running any backward on the thread drops every node of a finished graph left
+    in its queue (tests/unit/test_failed_backward.py). On the actor's torch thread, the one
+    that trained."""
+    import torch
+
+    with torch.enable_grad():
+        torch.zeros(1, requires_grad=True).sum().backward()
 
 
 def forget_layout_caches() -> None:
