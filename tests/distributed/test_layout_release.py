@@ -51,9 +51,6 @@ def _worker(rank: int, run_dir: str):
     return RankWorker(run_dir, rank), select_device("fp32")
 
 
-LAYOUT_ARGS = ((2, 2), 3, 2, 1)  # dp_shard=2 over 2 ranks, ZeRO-3, micro-batch 2
-
-
 def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, object]:
     """On the worker's torch thread, as the actor does: the process group, the mesh, the
     engine and checkpointer, one step trained together; weak references to every group the
@@ -73,13 +70,12 @@ def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, ob
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer, side_groups
 
-    (world, shard), *rest = LAYOUT_ARGS
-    layout = Layout(ParallelDims(world_size=world, dp_shard=shard), *rest)
+    layout = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 1)  # ZeRO-3, micro-batch 2
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
-        world_size=world,
+        world_size=2,
         timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
     )
     mesh = build_mesh(layout.dims, "cpu")
@@ -102,8 +98,7 @@ def _tokens(cfg):
 
 def _fail_in_backward(rank: int, port: int, cfg, run_dir: str, peer_waiting, peer_returned):
     """Both ranks train a step in their loops; on rank 0 the second reduce-scatter of its
-    backward fails (as one with a lost peer does), leaving FSDP's later post-backward nodes in
-    the thread's autograd queue, while rank 1 waits for rank 0 in that reduce-scatter."""
+    backward fails (as one with a lost peer does) while rank 1 waits for rank 0 in it."""
     import time
 
     import torch
