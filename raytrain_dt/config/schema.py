@@ -276,7 +276,8 @@ class ElasticConfig:
     max_restarts: int = 5
     # Same step failing this many times in a row is reported as deterministic, not retried.
     max_failures_at_step: int = 2
-    # Seconds to wait for capacity while below elastic.min_nodes, before stopping.
+    # Seconds to wait for capacity (below elastic.min_nodes, or nodes no layout fits), before
+    # stopping.
     wait_timeout_s: float = 300.0
     # The least time without a completed step that counts as a hang: the group is torn down.
     # The bound in force is the larger of this and elastic.hang_step_multiple x the p99 of the

@@ -7,6 +7,7 @@ accelerator resource, so placement groups, node ids and node failures behave as 
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from collections.abc import Iterator
@@ -160,9 +161,34 @@ def start_simulated_cluster(cluster: ClusterConfig, resource: str, temp_dir: str
 
 
 def simulated_node_args(cluster: ClusterConfig, resource: str) -> dict:
-    """What one simulated worker node declares: a couple of CPUs and its accelerators."""
+    """What one simulated worker node declares: a couple of CPUs, its accelerators, its object
+    store, and the memory of its node type (`simulated_node_memory`)."""
     cpus = max(1, int(cluster.accelerators_per_node * _cpus_per_bundle(cluster) + 0.999))
-    return {"num_cpus": cpus, "resources": {resource: cluster.accelerators_per_node}}
+    return {
+        "num_cpus": cpus,
+        "object_store_memory": SIMULATED_OBJECT_STORE_BYTES,
+        "memory": simulated_node_memory(),
+        "resources": {resource: cluster.accelerators_per_node},
+    }
+
+
+# A simulated node's object store: what `ray.cluster_utils.Cluster` gives a node by default,
+# declared here because the node's memory is reckoned from it.
+SIMULATED_OBJECT_STORE_BYTES = 150 * 2**20
+
+
+@functools.cache
+def simulated_node_memory() -> int:
+    """The `memory` resource every simulated node of this process declares: what Ray gives a
+    node by default (the host's available memory less its object store), taken once, when the
+    first one starts. A replacement node is the same node type as the one it replaces, as on a
+    cloud. Left to Ray, a node added later declared what was free at that moment: one replacing
+    a lost node while another run on the host held 10 GB was priced by the planner (host
+    memory, `topology/host_memory.py`) too small for two ranks, and runs planned for fewer
+    ranks, or for none, than the config asked."""
+    from ray._private.utils import estimate_available_memory
+
+    return int(estimate_available_memory() - SIMULATED_OBJECT_STORE_BYTES)
 
 
 def resolve_accelerator_resource(cluster: ClusterConfig) -> str:

@@ -105,9 +105,12 @@ class ElasticPolicy:
 
     def _target(self, obs: Observation, reason: str, checkpoint_first: bool) -> Decision:
         nodes = self.usable(obs)
+        # Either wait is for capacity the autoscaler may bring, and either is bounded: a run
+        # must not sit forever on nodes that cannot train it.
+        since = obs.waiting_since if obs.waiting_since is not None else obs.now
+        timed_out = obs.now - since >= self.cfg.wait_timeout_s
         if len(nodes) < self.cfg.min_nodes:
-            since = obs.waiting_since if obs.waiting_since is not None else obs.now
-            if obs.now - since >= self.cfg.wait_timeout_s:
+            if timed_out:
                 return Fail(
                     f"only {len(nodes)} usable nodes for {obs.now - since:.0f}s, "
                     f"below elastic.min_nodes={self.cfg.min_nodes}"
@@ -118,6 +121,11 @@ class ElasticPolicy:
             )
         layout = self.plan_for(nodes)
         if layout is None:
+            if timed_out:
+                return Fail(
+                    f"no layout fits on the {len(nodes)} usable nodes for {obs.now - since:.0f}s "
+                    "(elastic.wait_timeout_s; the planner's reason is logged as 'no layout on')"
+                )
             return Wait(f"{reason}; no layout fits on {len(nodes)} nodes")
         used = _nodes_for(layout, nodes)
         return Resize(

@@ -113,6 +113,18 @@ def test_below_min_nodes_waits_then_fails(policy):
     assert isinstance(policy.decide(late), Fail)
 
 
+def test_no_fitting_layout_waits_then_fails(policy):
+    """Nodes enough, but none of the planner's layouts fits them (here: 3 accelerators for a
+    global batch of 8): the run waits for capacity, up to elastic.wait_timeout_s."""
+    odd = (NodeInfo("a", 2), NodeInfo("b", 1))
+    obs = running(nodes=odd, health="failed", restarts=1, failures_at_step=1)
+    decision = policy.decide(obs)
+    assert isinstance(decision, Wait) and "no layout fits on 2 nodes" in decision.reason
+    assert isinstance(policy.decide(replace(obs, waiting_since=95.0)), Wait)
+    decision = policy.decide(replace(obs, waiting_since=90.0))
+    assert isinstance(decision, Fail) and "for 10s" in decision.reason
+
+
 def test_restart_budget_and_repeating_failures_stop_the_run(policy):
     assert isinstance(policy.decide(running(health="failed", restarts=3, failures_at_step=1)), Fail)
     decision = policy.decide(running(health="failed", restarts=1, failures_at_step=2, step=41))
