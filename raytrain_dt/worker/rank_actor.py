@@ -35,7 +35,7 @@ from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.memory_files import to_wire
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
-from raytrain_dt.data.input_pipeline import DataPlacement
+from raytrain_dt.data.input_pipeline import DataPlacement, import_rank_pipeline_modules
 from raytrain_dt.engines.base import EngineBuild
 from raytrain_dt.engines.factory import build_engine
 from raytrain_dt.engines.optim import scheduled_lr
@@ -44,7 +44,11 @@ from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.input_stream import InputStream
-from raytrain_dt.worker.layout_release import LeavesLayouts, abort_process_groups
+from raytrain_dt.worker.layout_release import (
+    LeavesLayouts,
+    abort_process_groups,
+    forget_layout_caches,
+)
 from raytrain_dt.worker.notices import NoticeBoard, route_sigterm
 from raytrain_dt.worker.peer_copies import (
     COPY_GROUP,
@@ -78,12 +82,18 @@ def import_lazy_torch_modules() -> None:
     imports torch._dynamo (about 1 s of CPU; `torch/_compile.py`), a checkpoint load DCP's
     planners. Done when the actor starts, this is off the path of its first formation (a
     warmed actor's, after an arrival or as a replacement, then builds as fast as a
-    survivor's). Then freezes the garbage collector's view of what was imported."""
+    survivor's). Likewise what its data pipeline imports at its first read. And finds
+    DTensor's caches, which a teardown clears (`forget_layout_caches`: after a failure, on the
+    path that releases blocked peers). Then freezes the garbage collector's view of what was
+    imported."""
     import torch._dynamo
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
 
     import raytrain_dt.engines.fsdp2  # noqa: F401
+
+    import_rank_pipeline_modules()
+    forget_layout_caches()
 
     # Everything imported so far (torch, Ray: ~350k objects) lives as long as the
     # process: move it out of the collector's sight. A teardown's full collection, which frees
