@@ -288,12 +288,24 @@ def forget_layout_caches() -> None:
     clears = _cache_clears(
         [propagator.propagate_op_sharding, propagator._propagate_tensor_meta_cached]
     )
-    for name, module in _snapshot(sys.modules):
-        if name.startswith("torch.distributed.tensor") and module is not None:
-            clears.extend(_module_cache_clears(name, module))
+    clears.extend(find_layout_caches())
     for clear in clears:
         with contextlib.suppress(TypeError):  # a per-instance cache seen on its class
             clear()
+
+
+def find_layout_caches() -> list:
+    """The `cache_clear` of every cached function in DTensor's modules, read once per module
+    (`_MODULE_CLEARS`). A new actor calls it at its start, before it freezes the garbage
+    collector's view, so its first release only clears. Only reads: with the clears called
+    then too (`forget_layout_caches`, whose fast-path and redistribute-planner clears alone
+    did it), four of a failed layout's groups outlived its release and collection
+    (tests/distributed/test_layout_release.py, the backward failure); read only, none did."""
+    clears = []
+    for name, module in _snapshot(sys.modules):
+        if name.startswith("torch.distributed.tensor") and module is not None:
+            clears.extend(_module_cache_clears(name, module))
+    return clears
 
 
 # Per DTensor module: how many names it had when read, and the `cache_clear`s found in it.

@@ -47,7 +47,7 @@ from raytrain_dt.worker.input_stream import InputStream
 from raytrain_dt.worker.layout_release import (
     LeavesLayouts,
     abort_process_groups,
-    forget_layout_caches,
+    find_layout_caches,
 )
 from raytrain_dt.worker.notices import NoticeBoard, route_sigterm
 from raytrain_dt.worker.peer_copies import (
@@ -83,9 +83,9 @@ def import_lazy_torch_modules() -> None:
     planners. Done when the actor starts, this is off the path of its first formation (a
     warmed actor's, after an arrival or as a replacement, then builds as fast as a
     survivor's). Likewise what its data pipeline imports at its first read. And finds
-    DTensor's caches, which a teardown clears (`forget_layout_caches`: after a failure, on the
-    path that releases blocked peers). Then freezes the garbage collector's view of what was
-    imported."""
+    DTensor's caches, which a teardown clears (`find_layout_caches`; the clearing after a
+    failure is on the path that releases blocked peers). Then freezes the garbage collector's
+    view of what was imported."""
     import torch._dynamo
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
@@ -93,7 +93,7 @@ def import_lazy_torch_modules() -> None:
     import raytrain_dt.engines.fsdp2  # noqa: F401
 
     import_rank_pipeline_modules()
-    forget_layout_caches()
+    find_layout_caches()
 
     # Everything imported so far (torch, Ray: ~350k objects) lives as long as the
     # process: move it out of the collector's sight. A teardown's full collection, which frees
