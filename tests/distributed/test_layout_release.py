@@ -70,7 +70,8 @@ def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, ob
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer, side_groups
 
-    layout = Layout(ParallelDims(world_size=2, dp_shard=2), 3, 2, 1)  # ZeRO-3, micro-batch 2
+    # ZeRO-3, micro-batch 2; an MoE model's experts split over both ranks where ep is set
+    layout = Layout(ParallelDims(world_size=2, dp_shard=2, ep=cfg.parallel.ep or 1), 3, 2, 1)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://127.0.0.1:{port}",
@@ -197,15 +198,18 @@ def _leave_after_a_step(
     return {"rank": 1, "created": len(groups), "alive": alive, "waited_s": waited_s, "error": error}
 
 
-def _two_ranks(fails_in: str, token_data, tmp_path) -> tuple[dict, dict]:
-    """The failed rank's result and its peer's, `fails_in` "input" or "backward"."""
+def _two_ranks(
+    fails_in: str, token_data, tmp_path, model: tuple[str, ...] = ("model.n_layers=2",)
+) -> tuple[dict, dict]:
+    """The failed rank's result and its peer's, `fails_in` "input" or "backward"; `model`:
+    the config's overrides for the model and its layout."""
     from conftest import REPO
 
     from raytrain_dt.config import load_config
 
     cfg = load_config(
         REPO / "conf" / "test.yaml",
-        [f"data.path={token_data}", f"run.dir={tmp_path}", "model.n_layers=2"],
+        [f"data.path={token_data}", f"run.dir={tmp_path}", *model],
     )
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -243,14 +247,30 @@ def test_a_failed_loop_frees_its_groups_and_releases_a_blocked_peer(token_data, 
 
 
 @pytest.mark.timeout(180)
-def test_a_loop_failed_in_backward_releases_the_peer_in_its_reduce_scatter(token_data, tmp_path):
+@pytest.mark.parametrize(
+    "model",
+    [
+        pytest.param(("model.n_layers=2",), id="dense"),
+        # The expert-parallel layout of a CI failure: a survivor blocked on its failed peer
+        # waited out the 10 s grace and was replaced, and the run re-formed on one rank. The
+        # failed graph held the meshes from C++ until the first collection, so a second one
+        # was needed (`collect_until_nothing_is_freed`); without it the peer waited for the
+        # collective's time-out.
+        pytest.param(
+            ("model.preset=moe-tiny", "model.capacity_factor=1.0", "parallel.ep=2"), id="moe-ep2"
+        ),
+    ],
+)
+def test_a_loop_failed_in_backward_releases_the_peer_in_its_reduce_scatter(
+    model, token_data, tmp_path
+):
     """As after a node loss in a gate: a rank's backward fails in a reduce-scatter (raised by
     gloo from inside FSDP's post-backward hook) while its peer waits for it in the next one.
     The failed rank's layout is let go all the same, so the peer's wait fails at once.
     (What a failed backward leaves in its thread's autograd queue, which the release drops,
-    is tested in tests/unit/test_failed_backward.py; this two-layer model leaves no group
-    held there.)"""
-    failed, peer = _two_ranks("backward", token_data, tmp_path)
+    is tested in tests/unit/test_failed_backward.py; the dense two-layer model leaves no
+    group held there.)"""
+    failed, peer = _two_ranks("backward", token_data, tmp_path, model)
     assert failed["error"] == "RuntimeError: Connection reset by peer (injected)", failed
     assert failed["alive"] == 0 and failed["peer_returned"], failed
     # The peer's loop failed at once, its connection to the failed rank closed; not at the

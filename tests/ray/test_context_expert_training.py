@@ -68,7 +68,8 @@ def test_a_shrink_below_the_pinned_ep_re_plans_it_and_continues_exactly(restore_
     assert result.final_step == steps
     check_run_matches_reference(cfg, result, steps, atol=1e-5)
     resizes = [e for e in read_jsonl(f"{result.run_dir}/events.jsonl") if e["event"] == "resize"]
+    # Both survivors kept: one replaced as stuck would re-form on the other alone, at ep=1.
     assert [(r["old_layout"]["dims"]["ep"], r["new_layout"]["dims"]["ep"]) for r in resizes] == [
         (4, 2)
-    ]
+    ], [(r["new_layout"]["dims"], r["kept_actors"], r["new_actors"]) for r in resizes]
     assert resizes[0]["new_layout"]["dims"]["world_size"] == 2
