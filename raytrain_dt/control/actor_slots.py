@@ -43,10 +43,12 @@ class NodeReservation:
 
 @dataclass
 class StartingActor:
-    """An actor created ahead of need, until its `where` answers (it has imported torch)."""
+    """An actor being started, until its `where` answers: its `where` (it has imported torch)
+    in a formation, which waits for it; `where_once_warm` (its lazy imports done too) when
+    warmed ahead of need."""
 
     handle: object
-    where: object  # the ObjectRef of its `where` call
+    where: object  # the ObjectRef of that call
     node_id: str
     pg: object
     bundle_index: int
