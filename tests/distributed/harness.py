@@ -1,7 +1,8 @@
-"""A persistent pool of spawned worker processes that trains one layout after another, no Ray.
+"""A persistent pool of rank processes that trains one layout after another, no Ray.
 
 Starting a process and importing torch costs seconds on a 2-core machine, so the pool starts its
-workers once and each layout only pays for a process group: every job initialises a fresh gloo
+workers once (forked from a server that has imported torch: `rank_process_context`) and each
+layout only pays for a process group: every job initialises a fresh gloo
 group over the ranks it needs (the others sit it out), trains, and destroys the group. Ranks
 read the same global batches as `tests/reference.py`, cut per DP rank exactly as
 `raytrain_dt.data.input_pipeline` cuts them (uneven slices plus padding when dp does not divide it). A wedged collective fails within the process-group
@@ -20,6 +21,28 @@ from dataclasses import dataclass, field
 
 PG_TIMEOUT_S = 60
 JOB_TIMEOUT_S = 180
+# What every rank process imports before its first job: torch, what torch imports on first use
+# (torch._dynamo, at FSDP2's first DTensor), DCP and the FSDP2 engine. About 5 CPU-s a process
+# here; forked from a server that imported them once, a rank starts in a fraction of a second.
+RANK_PRELOAD = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint.state_dict",
+    "raytrain_dt.engines.fsdp2",
+]
+
+
+def rank_process_context():
+    """The multiprocessing context these tests start rank processes from: a fork server that
+    has imported `RANK_PRELOAD` (started at the first rank of this pytest process, and shared
+    by all). Forking after torch's import is safe where no thread pool has started yet, which
+    importing does not; each rank then sets itself up (`settle_rank_process`)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(RANK_PRELOAD)
+    return ctx
+
+
 # The CPU priority Ray gives the workers it starts (its `worker_niceness`), our rank actors too.
 RAY_WORKER_NICENESS = 15
 
@@ -241,12 +264,12 @@ def _worker_main(rank: int, conn) -> None:
 
 
 class WorkerPool:
-    """`size` spawned processes; `run(cfg, layout, steps)` trains on the first world_size."""
+    """`size` rank processes; `run(cfg, layout, steps)` trains on the first world_size."""
 
     def __init__(self, size: int = 4):
         import torch.distributed as dist
 
-        ctx = mp.get_context("spawn")
+        ctx = rank_process_context()
         # The jobs' rendezvous store, served from this process for the pool's life: the OS
         # picks its port as it binds, so nothing can take the port between a choice and a bind
         # (a port found free and bound later by rank 0 was, at times, taken meanwhile by the

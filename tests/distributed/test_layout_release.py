@@ -18,8 +18,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-import torch.multiprocessing as mp
-from harness import settle_rank_process
+from harness import rank_process_context, settle_rank_process
 
 # The layout's collective timeout: rank 1's wait ends by then even if rank 0 holds its groups.
 PG_TIMEOUT_S = 30
@@ -211,7 +210,7 @@ def _two_ranks(
         REPO / "conf" / "test.yaml",
         [f"data.path={token_data}", f"run.dir={tmp_path}", *model],
     )
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context()
     out = ctx.Queue()
     peer_waiting, peer_returned = ctx.Event(), ctx.Event()
     port = _free_port()
@@ -324,7 +323,7 @@ def test_a_rank_mid_step_is_kept_when_its_step_is_given(tmp_path):
     coordinator gives it (`Deadlines.leave_bound`), or on gloo, whose abort releases no peer
     (a peer's collection does, seconds later on a loaded host). In a process of its own: the actor
     installs a SIGTERM route and a log handler."""
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context()
     out = ctx.Queue()
     proc = ctx.Process(target=_leave_mid_step, args=(str(tmp_path), out))
     proc.start()

@@ -11,12 +11,11 @@ attention, with the query rows in one tile and in several.
 from __future__ import annotations
 
 import datetime
-import multiprocessing as mp
 import socket
 import traceback
 
 import pytest
-from harness import settle_rank_process
+from harness import rank_process_context, settle_rank_process
 
 WORLD = 4
 ATOL, RTOL = 1e-6, 1e-5
@@ -86,7 +85,7 @@ def _free_port() -> int:
 
 @pytest.mark.timeout(120)
 def test_ring_attention_equals_full_attention():
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context()
     queue = ctx.Queue()
     port = _free_port()
     procs = [ctx.Process(target=_check_rank, args=(r, port, queue)) for r in range(WORLD)]

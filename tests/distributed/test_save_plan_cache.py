@@ -6,13 +6,12 @@ reloads equal to the state it saved."""
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
 import os
 import socket
 import traceback
 
 import pytest
-from harness import settle_rank_process
+from harness import rank_process_context, settle_rank_process
 
 WORLD = 2
 
@@ -78,7 +77,7 @@ def test_a_new_formation_plans_its_saves_afresh(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ctx = mp.get_context("spawn")
+    ctx = rank_process_context()
     errors = ctx.Queue()
     procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
     for proc in procs:
