@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import traceback
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import TYPE_CHECKING
 
@@ -77,6 +78,8 @@ class LeavesLayouts:
     _torch_thread: ThreadPoolExecutor  # all of the actor's torch work, layout after layout
     _torch_thread_id: int
     _released_at_failure: bool  # the failed loop let its layout go (`teardown`)
+    _layout_groups: list  # weak references to the layout's process groups (`_build`)
+    _released_groups: list  # those of the layout released last, until they are collected
 
     def stop(self, timeout_s: float = 30.0) -> None:
         self._stop.set()
@@ -204,6 +207,9 @@ class LeavesLayouts:
             self._batches.close()  # a pipeline still starting would go on for nobody
         self._batches = None
         self._setting_up = None
+        # An abort has already dropped every group from torch's registry: those `_build` saw.
+        self._released_groups = [*self._layout_groups, *layout_process_groups()]
+        self._layout_groups = []
         if dist.is_initialized():  # not after an abort, which has already dropped every group
             dist.destroy_process_group()
         self._store = None  # rank 0's server closes with it
@@ -217,7 +223,8 @@ class LeavesLayouts:
         own. The host heap keeps its freed pages: the next layout, built at once, reuses them
         instead of faulting in fresh ones (`park` returns them when no layout follows)."""
         started = time.perf_counter()
-        freed, passes = collect_until_nothing_is_freed()
+        groups, self._released_groups = self._released_groups, []
+        freed, passes = collect_until_released(groups)
         log.info(
             "actor %d: old layout collected in %.3fs (%d objects, %d passes)",
             self.actor_index,
@@ -229,23 +236,32 @@ class LeavesLayouts:
             release_accelerator_memory(self._device)
 
 
-# A collection frees what the one before it let go, so a layout takes two; a third finding
-# more is not expected, and the passes stay bounded.
+# A collection frees what the one before it let go, so a layout's groups take two at most
+# (measured); the passes stay bounded whatever holds them.
 MAX_COLLECTIONS = 4
 
 
-def collect_until_nothing_is_freed() -> tuple[int, int]:
-    """Full collections until one finds nothing (at most `MAX_COLLECTIONS`): the objects
-    freed, and the passes. One is not enough for a layout that failed in an expert-parallel
-    backward: its device meshes (a cycle, the root mesh and its slices) are held from C++ by
-    what the failed graph left, which the first collection frees; they become garbage only
-    then, and with them the layout's process groups, on which a peer blocked in a gloo
-    collective waits until they are gone (tests/distributed/test_layout_release.py, moe)."""
+def layout_process_groups() -> list[weakref.ref]:
+    """Weak references to every process group this process has registered (a layout's: its
+    default group, its mesh's and its checkpointer's)."""
+    if not dist.is_initialized():
+        return []
+    return [weakref.ref(group) for group in dist.distributed_c10d._world.pg_map]
+
+
+def collect_until_released(groups: list[weakref.ref]) -> tuple[int, int]:
+    """Full collections until the released layout's process `groups` are gone (at most
+    `MAX_COLLECTIONS`; one where none are known): the objects freed, and the passes. One is
+    not always enough: after a failed expert-parallel backward, the meshes (a cycle, the root
+    mesh and its slices) are held from C++ by what the failed graph left, which the first
+    collection frees; they become garbage only then, and with them the groups, on which a
+    peer blocked in a gloo collective waits until they are gone
+    (tests/distributed/test_layout_release.py, moe). Collecting until a pass found nothing
+    took 3-4 passes where 1 or 2 free the groups, on the path that releases blocked peers."""
     freed = passes = 0
     while passes < MAX_COLLECTIONS:
-        found = gc.collect()
-        freed, passes = freed + found, passes + 1
-        if not found:
+        freed, passes = freed + gc.collect(), passes + 1
+        if not any(ref() is not None for ref in groups):
             break
     return freed, passes
 

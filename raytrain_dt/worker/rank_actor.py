@@ -48,6 +48,7 @@ from raytrain_dt.worker.layout_release import (
     LeavesLayouts,
     abort_process_groups,
     find_layout_caches,
+    layout_process_groups,
 )
 from raytrain_dt.worker.notices import NoticeBoard, route_sigterm
 from raytrain_dt.worker.peer_copies import (
@@ -136,6 +137,10 @@ class RankWorker(LeavesLayouts):
         self.copies = CopyStore()
         self._copier: PeerCopier | None = None
         self._device = None  # this layout's DeviceSpec (set by `_build`)
+        # Weak references to this layout's process groups (`_build`), then to the released
+        # layout's, until its collection has freed them (`_free_old_layout`).
+        self._layout_groups: list = []
+        self._released_groups: list = []
         self._log_to(self.run_dir, actor_index)
 
     def _log_to(self, run_dir: Path, actor_index: int) -> None:
@@ -330,6 +335,7 @@ class RankWorker(LeavesLayouts):
             spec.layout.describe(),
             json.dumps(timings),
         )
+        self._layout_groups = layout_process_groups()  # every group it made, for its release
         return timings
 
     def _peer_copier(self, spec: RankSpec, device) -> PeerCopier | None:

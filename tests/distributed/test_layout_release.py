@@ -68,6 +68,7 @@ def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, ob
     from raytrain_dt.topology.layout import Layout
     from raytrain_dt.topology.parallel_dims import ParallelDims
     from raytrain_dt.worker.checkpointing import RankCheckpointer, side_groups
+    from raytrain_dt.worker.layout_release import layout_process_groups
 
     # ZeRO-3, micro-batch 2; an MoE model's experts split over both ranks where ep is set
     layout = Layout(ParallelDims(world_size=2, dp_shard=2, ep=cfg.parallel.ep or 1), 3, 2, 1)
@@ -85,6 +86,7 @@ def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, ob
         worker.engine, rank, lambda _: None, False, device, groups=side_groups()
     )
     worker.engine.train_step([_tokens(cfg)], 0, [torch.ones(2, dtype=torch.bool)])
+    worker._layout_groups = layout_process_groups()  # as `RankWorker._build` ends
     default = c10d._get_default_group()
     groups = [weakref.ref(pg) for pg in c10d._world.pg_map if pg is not default]
     return groups, mesh["dp_shard"].get_group()
