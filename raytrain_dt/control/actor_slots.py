@@ -43,12 +43,10 @@ class NodeReservation:
 
 @dataclass
 class StartingActor:
-    """An actor being started, until its `where` answers: its `where` (it has imported torch)
-    in a formation, which waits for it; `where_once_warm` (its lazy imports done too) when
-    warmed ahead of need."""
+    """An actor created ahead of need, until its `where` answers (it has imported torch)."""
 
     handle: object
-    where: object  # the ObjectRef of that call
+    where: object  # the ObjectRef of its `where` call
     node_id: str
     pg: object
     bundle_index: int

@@ -71,12 +71,12 @@ class Capacity:
         """Start actors ahead of need where a node has room for more than the group has
         there (a dead rank's replacement, a node that joined), up to the ranks the run can
         use; and show the policy only capacity with started actors. So a failure re-forms at
-        once on the survivors, an arrival is planned for once its actors have imported torch
-        and its lazy modules, and either grows the group through the normal grow path (a
-        just-in-time checkpoint at a step boundary) once the new actors are warm: all of them,
-        so that it grows once (while a group runs, the policy sees only its ranks until then;
-        after a failure, a node without survivors shows once its actors are all up).
-        `waiting`: the run waits for capacity (survivors too few to train)."""
+        once on the survivors, an arrival is planned for once its actors have imported torch,
+        and either grows the group through the normal grow path (a just-in-time checkpoint at
+        a step boundary) once the new actors are warm: all of them, so that it grows once
+        (while a group runs, the policy sees only its ranks until then; after a failure, a
+        node without survivors shows once its actors are all up). `waiting`: the run waits
+        for capacity (survivors too few to train)."""
         group = self.group
         if not self.run.formed:
             return nodes  # the first formation starts its actors itself

@@ -149,14 +149,14 @@ class RankGroup:
         return reservation
 
     def _start_on_node(
-        self, node_id: str, count: int, timeout_s: float | None, forming: bool
+        self, node_id: str, count: int, timeout_s: float | None, input_workers: bool
     ) -> list[StartingActor]:
         """Start `count` actors in bundles of the node's reservations (reserving more where
-        needed). `forming`: for a formation, which waits for its actors anyway: each one's
-        input worker starts beside it (`start_input_worker`), and it is up at its `where`.
-        Actors warmed while the group trains start their pipeline's worker after their first
-        step, as on a re-formation (a joining node's ranks then start no more processes than
-        they must before they train), and are up once their imports are done."""
+        needed). `input_workers`: start each one's input worker beside it
+        (`start_input_worker`): for a formation, which waits for its actors anyway, not for
+        actors warmed while the group trains, whose pipelines start their worker after their
+        first step, as on a re-formation (a joining node's ranks then start no more processes
+        than they must before they train)."""
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -178,17 +178,13 @@ class RankGroup:
                 ),
             ).remote(self.run_dir, self._next_index)
             self._next_index += 1
-            if forming and self.data_cpus_per_rank:
+            if input_workers and self.data_cpus_per_rank:
                 # Its pipeline's worker process starts now, beside it, not at its first read.
                 start_input_worker(
                     pg, bundle_index, self.data_cpus_per_rank, self.runtime_env or None
                 )
-            # A formation waits for its actors and sets them up at once (the set-up queues on
-            # the torch thread behind the imports); an actor warmed ahead of need is up once
-            # its imports are done (`RankWorker.where_once_warm`).
-            where = handle.where if forming else handle.where_once_warm
             started.append(
-                StartingActor(handle, where.remote(), node_id, pg, bundle_index, time.time())
+                StartingActor(handle, handle.where.remote(), node_id, pg, bundle_index, time.time())
             )
         return started
 
@@ -200,7 +196,7 @@ class RankGroup:
         while starting (those that did start wait `idle`)."""
         import ray
 
-        started = self._start_on_node(node_id, count, timeout_s, forming=True)
+        started = self._start_on_node(node_id, count, timeout_s, input_workers=True)
         try:
             reports = get_all([a.where for a in started], start_timeout_s, [node_id] * count)
         except FormationFault:
@@ -221,7 +217,7 @@ class RankGroup:
     # --- actors warmed ahead of need ---------------------------------------------------------
     def warm(self, node_id: str, count: int) -> None:
         """Start `count` more actors on the node in the background (see the module's doc)."""
-        self.starting += self._start_on_node(node_id, count, timeout_s=None, forming=False)
+        self.starting += self._start_on_node(node_id, count, timeout_s=None, input_workers=False)
         log.info("warming %d actors on node %s", count, node_id[:12])
 
     def collect_warm(self, timeout_s: float = 0.0, give_up_s: float = 300.0) -> None:
@@ -243,12 +239,11 @@ class RankGroup:
                 self.idle.append(started_slot(actor, where))
                 # A slow start here (a process importing torch) is what delays a growth.
                 log.info(
-                    "actor %d on node %s up after %.2fs (imported torch by +%.2fs, warm by +%.2fs)",
+                    "actor %d on node %s up after %.2fs (imported torch by +%.2fs)",
                     where["actor_index"],
                     actor.node_id[:12],
                     time.time() - actor.since,
                     where["init_at"] - actor.since,
-                    where.get("warm_at", where["init_at"]) - actor.since,
                 )
             except Exception as exc:  # died while starting (with its node, most likely)
                 log.warning("an actor warming on node %s died: %s", actor.node_id[:12], exc)

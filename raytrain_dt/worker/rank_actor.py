@@ -193,15 +193,6 @@ class RankWorker(LeavesLayouts):
         """Waits for the imports queued at start; returns the seconds since `__init__`."""
         return self._torch_thread.submit(time.time).result() - self._init_at
 
-    def where_once_warm(self) -> dict:
-        """`where`, once the imports queued at start are done (`warm_at`: when). An actor
-        started ahead of need counts as up only then: counted at `where`, a growth planned
-        for it drained the group and then waited in its set-up, queued behind the imports on
-        the torch thread (a gate's growth re-formed in 8.4 s, its new ranks' model build and
-        checkpoint load 5.7 s of it, where survivors take 0.4)."""
-        warm_at = self._torch_thread.submit(time.time).result()
-        return {**self.where(), "warm_at": warm_at}
-
     # --- discovery ---------------------------------------------------------------------------
     def where(self) -> dict:
         import ray
