@@ -94,7 +94,15 @@ CONSOLIDATE_TARGET = 3.0
 
 
 def _rank_main(
-    rank: int, port: int, root: str, shape: dict, windows: int, every: int, world: int, results
+    rank: int,
+    port: int,
+    root: str,
+    shape: dict,
+    windows: int,
+    every: int,
+    world: int,
+    writer: str,
+    results,
 ):
     import itertools
 
@@ -103,7 +111,7 @@ def _rank_main(
 
     from raytrain_dt.worker.checkpointing import RankCheckpointer
 
-    engine, device = rank_engine(shape, SEQ_LEN, world, rank, port)
+    engine, device = rank_engine(shape, SEQ_LEN, world, rank, port, writer)
     tokens = torch.randint(0, shape["vocab_size"], (1, SEQ_LEN))
     steps = itertools.count()
 
@@ -170,8 +178,11 @@ def _rank_main(
     dist.destroy_process_group()
 
 
-def bench_save(root: Path, shape: dict, windows: int, every: int, world: int = WORLD) -> dict:
-    """(a): the windows' seconds and the save calls', per window the slowest rank's."""
+def bench_save(
+    root: Path, shape: dict, windows: int, every: int, world: int = WORLD, writer: str = "process"
+) -> dict:
+    """(a): the windows' seconds and the save calls', per window the slowest rank's; `writer`:
+    `checkpoint.async_writer`."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -179,7 +190,7 @@ def bench_save(root: Path, shape: dict, windows: int, every: int, world: int = W
         port = s.getsockname()[1]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    args = (port, str(root), shape, windows, every, world, results)
+    args = (port, str(root), shape, windows, every, world, writer, results)
     procs = [ctx.Process(target=_rank_main, args=(r, *args)) for r in range(world)]
     for p in procs:
         p.start()
@@ -246,9 +257,11 @@ def bench_consolidate(checkpoint: Path, out: Path) -> dict:
     }
 
 
-def save_case(root: Path, shape: dict, windows: int, every: int, world: int) -> tuple[dict, bool]:
+def save_case(
+    root: Path, shape: dict, windows: int, every: int, world: int, writer: str = "process"
+) -> tuple[dict, bool]:
     """(a) at `world` ranks: its case, and whether it met the target."""
-    save = bench_save(root, shape, windows, every, world)
+    save = bench_save(root, shape, windows, every, world, writer)
     med = {k: statistics.median(v) for k, v in save.items() if isinstance(v, list)}
 
     def per_cycle(over: str, under: str) -> float:

@@ -94,6 +94,24 @@ class DeviceSpec:
             self.module.set_device(self.index)
 
 
+def pin_host_memory(tensor: torch.Tensor, device_type: str):
+    """Page-lock host memory torch did not allocate (a shared staging arena,
+    `checkpoint/write_process.py`) for fast DMA from `device_type`'s memory; returns the call
+    that unpins it, or None where nothing was pinned (the CPU's). CUDA registers it
+    (cudaHostRegister); the emulated device mimics that (`torch.emu.host_register`)."""
+    if device_type == "cpu":
+        return None
+    address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+    if device_type == "cuda":
+        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
+
+        pin_memory(address, nbytes)
+        return lambda: unpin_memory(address)
+    module = torch.get_device_module(device_type)
+    module.host_register(address, nbytes)
+    return lambda: module.host_unregister(address)
+
+
 def resolve_device_kind(kind: str) -> str:
     """`auto` -> `cuda` where torch sees a GPU, else `cpu`; any other kind unchanged."""
     if kind not in DEVICE_KINDS:

@@ -31,6 +31,7 @@ import torch
 from torch.distributed.checkpoint.staging import AsyncStager
 from torch.distributed.tensor import DTensor
 
+from raytrain_dt.checkpoint.write_process import SharedHostBuffer
 from raytrain_dt.models.materialize import local_shard
 
 
@@ -38,11 +39,17 @@ class ReusableStager(AsyncStager):
     # stage() returns the copy's future (background) or its result; nothing to wait for after.
     _synchronize_after_execute = False
 
-    def __init__(self, background: bool = False, one_allocation: bool = False) -> None:
+    def __init__(
+        self, background: bool = False, one_allocation: bool = False, shared: bool = False
+    ) -> None:
         # `one_allocation`: every buffer a view of one host allocation (an in-memory copy's,
         # which then travels to its peer as one array: Ray copies each array it sends, and
-        # sending a hundred small ones cost 30x the CPU of sending one).
-        self._one_allocation = one_allocation
+        # sending a hundred small ones cost 30x the CPU of sending one). `shared`: that
+        # allocation is memory the checkpoint writer process maps (`write_process.py`), which
+        # writes the staged state from it.
+        self._one_allocation = one_allocation or shared
+        self._shared = shared
+        self._arena: _Arena | None = None
         self._staged: Any = None
         self._signature: Any = None
         self._streams: dict[torch.device, Any] = {}  # accelerator -> its copy stream
@@ -64,8 +71,8 @@ class ReusableStager(AsyncStager):
         else:
             signature = _signature(state_dict)
             if signature != self._signature:  # first save, or the layout changed
-                new_buffer = _Arena(state_dict) if self._one_allocation else _own_buffer
-                self._staged = _allocate(state_dict, new_buffer)
+                self._arena = _Arena(state_dict, self._shared) if self._one_allocation else None
+                self._staged = _allocate(state_dict, self._arena or _own_buffer)
                 self._signature = signature
             # Plain values (lr, betas, ...) are taken now; tensors are paired with their
             # buffers, as plain local tensors, so the staging thread runs no DTensor code.
@@ -82,6 +89,12 @@ class ReusableStager(AsyncStager):
         """The staged state's structure and every shard's shape, dtype and placement (None
         before the first `stage`): equal signatures, equal layouts."""
         return self._signature
+
+    @property
+    def shared_buffer(self):
+        """The shared allocation the staged tensors lie in (a `SharedHostBuffer`; None unless
+        `shared`, or before the first `stage`)."""
+        return self._arena.shared if self._arena is not None else None
 
     def _copy(self, copies: list[tuple[torch.Tensor, torch.Tensor]], ready: dict) -> dict:
         with torch.no_grad():
@@ -108,7 +121,7 @@ class ReusableStager(AsyncStager):
     def close(self) -> None:
         if self._executor is not None:
             self._executor.shutdown(wait=True)
-        self._staged = self._signature = self._copies = None
+        self._staged = self._signature = self._copies = self._arena = None
         self._parts = []
 
 
@@ -144,15 +157,21 @@ def _own_buffer(local: torch.Tensor) -> torch.Tensor:
 
 class _Arena:
     """One host allocation for every tensor of `state_dict`, handed out as aligned views in
-    the order `_allocate` asks for them (pinned if any tensor lives on an accelerator)."""
+    the order `_allocate` asks for them (pinned if any tensor lives on an accelerator); with
+    `shared`, one another process can map (`SharedHostBuffer`)."""
 
     ALIGN = 64  # bytes: every dtype's view may start at any multiple
 
-    def __init__(self, state_dict: dict):
+    def __init__(self, state_dict: dict, shared: bool = False):
         tensors = list(_local_tensors(state_dict))
         total = sum(self._aligned(t.numel() * t.element_size()) for t in tensors)
-        pinned = any(t.device.type != "cpu" for t in tensors)
-        self.flat = torch.empty(total, dtype=torch.uint8, pin_memory=pinned)
+        accelerator = next((t.device.type for t in tensors if t.device.type != "cpu"), "cpu")
+        self.shared = None
+        if shared:
+            self.shared = SharedHostBuffer(total, pinned_for=accelerator)
+            self.flat = self.shared.flat
+        else:
+            self.flat = torch.empty(total, dtype=torch.uint8, pin_memory=accelerator != "cpu")
         self._offset = 0
 
     def _aligned(self, nbytes: int) -> int:

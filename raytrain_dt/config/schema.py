@@ -243,6 +243,10 @@ class CheckpointConfig:
     keep_every: int = 0
     # Stage shards to CPU and write them in the background (DCP async save).
     async_save: bool = True
+    # Where an async save's bytes are written: "process", a writer process forked at each
+    # rank's start, whose GIL is its own (a writer thread takes the GIL from the training
+    # thread, which on a GPU launches the kernels); "thread", DCP's writer thread in the rank.
+    async_writer: str = "process"
     # Every N steps each rank copies its state into host memory, its own and a peer's on
     # another node, in the background: a failure resumes from the copies without rollback
     # (FSDP2; DeepSpeed resumes from durable checkpoints). 0 disables the copies. null (the

@@ -23,6 +23,7 @@ CHOICES: dict[str, tuple[Any, ...]] = {
     "comm.network": ("auto", "ib", "socket"),
     "comm.debug": ("VERSION", "WARN", "INFO", "TRACE"),
     "metrics.wandb.mode": (None, "online", "offline", "disabled"),
+    "checkpoint.async_writer": ("process", "thread"),
 }
 
 # Accepted by the schema (the planner reasons about them) but not yet run by the engines.

@@ -77,7 +77,7 @@ class StepResult:
 
 
 class Engine(Protocol):
-    # Whether `save_async`, a `storage_writer` for `save`, in-memory copies (`stage_copy`, and a
+    # Whether `save_async`, a `wrap_writer` for `save`, in-memory copies (`stage_copy`, and a
     # `storage_reader` for `load`) are supported (FSDP2's DCP: yes; DeepSpeed writes its own
     # files: no, `kill_rank_mid_save` is refused for it and it resumes from durable checkpoints).
     supports_async_save: ClassVar[bool]
@@ -92,14 +92,14 @@ class Engine(Protocol):
         """One optimizer step over `micro_batches`; `real` marks each one's real rows, which
         a padded layout needs (`engines.micro_loss`)."""
 
-    def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
+    def save(self, checkpoint_dir: str, digests=None, wrap_writer=None) -> None:
         """Write model and optimizer shards (collective: every rank calls it). `digests` (a
         `checkpoint.digests.FileDigests`) records every file this rank wrote, with its size
-        and SHA-256, for the commit's manifest. `storage_writer` replaces the DCP writer
-        (only where `supports_async_save`; tests use it to fail a save midway)."""
+        and checksum, for the commit's manifest. `wrap_writer` wraps the DCP writer (only
+        where `supports_async_save`; chaos uses it to fail a save midway)."""
 
     def save_async(
-        self, checkpoint_dir: str, process_group, storage_writer=None, digests=None
+        self, checkpoint_dir: str, process_group, digests=None, wrap_writer=None
     ) -> Future:
         """Stage the state and write it in the background on `process_group` (only where
         `supports_async_save`); the future completes when this rank's files are written."""

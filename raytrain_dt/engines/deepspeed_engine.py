@@ -281,20 +281,18 @@ class DeepSpeedEngine:
         """Nothing to pay ahead: DeepSpeed's first step has no one-time costs of ours."""
 
     def save(
-        self, checkpoint_dir: str, storage_writer=None, digests: FileDigests | None = None
+        self, checkpoint_dir: str, digests: FileDigests | None = None, wrap_writer=None
     ) -> None:
         # Collective. Writes <dir>/ds/ (model states + per-rank ZeRO optimizer partitions).
-        if storage_writer is not None:
-            raise NotImplementedError(
-                "DeepSpeed writes its own checkpoint files: no storage writer"
-            )
+        if wrap_writer is not None:
+            raise NotImplementedError("DeepSpeed writes its own checkpoint files: no DCP writer")
         with StagedStep(checkpoint_dir) as staged:
             rank_0 = dist.get_rank() == 0
             with recording_saves(self.engine, staged.local, digests or FileDigests(), rank_0):
                 self.engine.save_checkpoint(str(staged.local), tag=TAG)
             staged.upload()  # object storage: this rank's files, from its own staging dir
 
-    def save_async(self, checkpoint_dir: str, process_group, storage_writer=None, digests=None):
+    def save_async(self, checkpoint_dir: str, process_group, digests=None, wrap_writer=None):
         raise NotImplementedError("DeepSpeed saves synchronously (supports_async_save is False)")
 
     def stage_copy(self, stager):

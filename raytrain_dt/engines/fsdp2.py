@@ -48,6 +48,7 @@ from raytrain_dt.checkpoint.storage import (
     new_plan_key,
     save_planner,
 )
+from raytrain_dt.checkpoint.write_process import OffloadedWriter
 from raytrain_dt.engines.base import EngineBuild, StepResult
 from raytrain_dt.engines.grad_norm import clip_gradients
 from raytrain_dt.engines.live_state import LiveStateDicts, holds_the_parameters
@@ -272,18 +273,19 @@ class FSDP2Engine:
     _live_state: LiveStateDicts | None = None  # the copies' state dicts, built once
     _plan_key: str | None = None  # DCP's cached save plans (`checkpoint.storage.save_planner`)
 
-    def save(self, checkpoint_dir: str, storage_writer=None, digests=None) -> None:
-        """`digests`: records each file this rank writes, hashed as written. `storage_writer`
-        replaces the default one for `checkpoint_dir` (fault injection)."""
+    def save(self, checkpoint_dir: str, digests=None, wrap_writer=None) -> None:
+        """`digests`: records each file this rank writes, hashed as written. `wrap_writer`
+        wraps the DCP writer (fault injection)."""
         model_sd, optim_sd = self._state_dicts()
+        writer = dcp_writer(checkpoint_dir, digests)
         dcp.save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
+            storage_writer=wrap_writer(writer) if wrap_writer else writer,
             planner=self._save_planner(),
         )
 
     def save_async(
-        self, checkpoint_dir: str, process_group, storage_writer=None, digests=None
+        self, checkpoint_dir: str, process_group, digests=None, wrap_writer=None
     ) -> Future:
         """Save in the background; returns the future of the write.
 
@@ -292,14 +294,23 @@ class FSDP2Engine:
         on a staging thread during the next step's forward and backward, and that step's
         optimizer, the first thing to change the saved state, waits for the copy. The write's
         collectives run on `process_group` (gloo), never on the training group, so they cannot
-        interleave with the next step's collectives.
+        interleave with the next step's collectives. With `checkpoint.async_writer=process`
+        the buffers are shared with the rank's writer process, which writes the bytes
+        (`checkpoint/write_process.py`); DCP's thread keeps the plans and the metadata.
         """
+        offload = self.cfg.checkpoint.async_writer == "process"
         if self._stager is None:
-            self._stager = ReusableStager(background=True)
+            self._stager = ReusableStager(background=True, shared=offload)
+        stager = self._stager
+        writer = (
+            OffloadedWriter(checkpoint_dir, digests, lambda: stager.shared_buffer)
+            if offload
+            else dcp_writer(checkpoint_dir, digests)
+        )
         model_sd, optim_sd = self._state_dicts()
         response = dcp.async_save(
             {"model": model_sd, "optim": optim_sd},
-            storage_writer=storage_writer or dcp_writer(checkpoint_dir, digests),
+            storage_writer=wrap_writer(writer) if wrap_writer else writer,
             process_group=process_group,
             async_stager=self._stager,
             planner=self._save_planner(),

@@ -123,11 +123,7 @@ class RankCheckpointer:
         written = FileDigests()  # what this rank writes for this save, hashed as it goes
         try:
             self._save_rng(uri, written)
-            fault = (
-                {"storage_writer": DieAfterWriting(uri, written)}
-                if step in self.die_while_saving
-                else {}
-            )
+            fault = {"wrap_writer": DieAfterWriting} if step in self.die_while_saving else {}
             if self.use_async:
                 future = self.engine.save_async(uri, self.write_group, digests=written, **fault)
                 reported = threading.Event()

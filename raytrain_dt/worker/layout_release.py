@@ -25,6 +25,7 @@ from raytrain_dt.accel.device import (
     release_accelerator_memory,
     return_free_host_memory,
 )
+from raytrain_dt.checkpoint.write_process import release_write_arenas
 from raytrain_dt.observe.phases import PhaseTimer
 
 if TYPE_CHECKING:
@@ -232,6 +233,7 @@ class LeavesLayouts:
             freed,
             passes,
         )
+        release_write_arenas()  # the writer process's mappings of the old staging arena
         if self._device is not None:
             release_accelerator_memory(self._device)
 

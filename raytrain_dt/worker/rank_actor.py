@@ -35,6 +35,7 @@ from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.memory_files import to_wire
 from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
+from raytrain_dt.checkpoint.write_process import start_write_process
 from raytrain_dt.data.input_pipeline import DataPlacement, import_rank_pipeline_modules
 from raytrain_dt.engines.base import EngineBuild
 from raytrain_dt.engines.factory import build_engine
@@ -86,7 +87,7 @@ def import_lazy_torch_modules() -> None:
     survivor's). Likewise what its data pipeline imports at its first read. And finds
     DTensor's caches, which a teardown clears (`find_layout_caches`; the clearing after a
     failure is on the path that releases blocked peers). Then freezes the garbage collector's
-    view of what was imported."""
+    view of what was imported, and forks the checkpoint writer process."""
     import torch._dynamo
     import torch.distributed.checkpoint.state_dict
     import torch.distributed.fsdp  # noqa: F401
@@ -101,6 +102,9 @@ def import_lazy_torch_modules() -> None:
     # the old layout's model and optimizer, then scans only what layouts created (0.6 s before,
     # about 0.2 s after, on a busy 2-core host; on the path of every re-formation).
     gc.freeze()
+    # Forked now, while the process holds only its imports: the child shares (and keeps alive)
+    # whatever memory the process holds at the fork (`checkpoint/write_process.py`).
+    start_write_process()
 
 
 class RankWorker(LeavesLayouts):

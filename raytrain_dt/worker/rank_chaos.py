@@ -18,8 +18,6 @@ import threading
 import time
 from collections.abc import Callable
 
-from raytrain_dt.checkpoint.digests import FileDigests
-from raytrain_dt.checkpoint.storage import dcp_writer
 from raytrain_dt.config.schema import ChaosAction
 
 log = logging.getLogger("raytrain_dt.rank")
@@ -93,12 +91,12 @@ class RankChaos:
 
 
 class DieAfterWriting:
-    """Chaos: DCP's writer for `uri`, except that the process exits as soon as this rank's
+    """Chaos: the engine's DCP writer, except that the process exits as soon as this rank's
     shards are written, before the save completes (DCP's metadata is written only after every
     rank's write results have arrived, and this rank never reports `saved`)."""
 
-    def __init__(self, uri: str, written: FileDigests):
-        self._writer = dcp_writer(uri, written)
+    def __init__(self, writer):
+        self._writer = writer
 
     def __getattr__(self, name: str):
         return getattr(self._writer, name)

@@ -51,6 +51,15 @@ def reset_peak_memory_stats(device=None) -> None:
     _ops().reset_peak_memory_stats()
 
 
+def host_register(address: int, nbytes: int) -> None:
+    """Page-lock host memory allocated elsewhere (CUDA's cudaHostRegister)."""
+    _ops().host_register(address, nbytes)
+
+
+def host_unregister(address: int) -> None:
+    _ops().host_unregister(address)
+
+
 def empty_cache() -> None:
     """Freed blocks go straight back to the host allocator: no cache to empty."""
 
@@ -109,6 +118,8 @@ def device_module() -> types.ModuleType:
         max_memory_allocated=max_memory_allocated,
         reset_peak_memory_stats=reset_peak_memory_stats,
         empty_cache=empty_cache,
+        host_register=host_register,
+        host_unregister=host_unregister,
         get_rng_state=get_rng_state,
         set_rng_state=set_rng_state,
         manual_seed=manual_seed,

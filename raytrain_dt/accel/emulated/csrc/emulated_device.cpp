@@ -10,7 +10,8 @@
 // Execution is synchronous: there is one stream per device, events complete when recorded,
 // and synchronize() returns at once. The allocator counts bytes (allocated and peak, resettable)
 // so that memory stats and `empty_cache` paths run as they do on CUDA. Pinned host memory is
-// tracked by address range so that `pin_memory()` / `is_pinned()` behave as on a GPU host.
+// tracked by address range so that `pin_memory()` / `is_pinned()` behave as on a GPU host, and
+// memory allocated elsewhere can be registered as pinned, as with cudaHostRegister.
 
 #include <ATen/ATen.h>
 #include <ATen/EmptyTensor.h>
@@ -112,6 +113,24 @@ bool is_pinned_address(const void* data) {
   if (it == pinned_ranges.begin()) return false;
   --it;
   return address < it->first + std::max<size_t>(it->second, 1);
+}
+
+// Page-locks memory allocated elsewhere (cudaHostRegister's counterpart: a shared staging
+// arena the checkpoint writer process maps): it then reads as pinned, as on a GPU host.
+void host_register(int64_t address, int64_t nbytes) {
+  TORCH_CHECK(nbytes > 0, "host_register: nothing to register at ", address);
+  // As cudaHostRegister creates CUDA's context: torch reads no pointer as pinned for a device
+  // it has not initialised.
+  at::globalContext().lazyInitDevice(kEmu);
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  auto inserted = pinned_ranges.emplace(static_cast<uintptr_t>(address), nbytes).second;
+  TORCH_CHECK(inserted, "host_register: ", address, " is registered already");
+}
+
+void host_unregister(int64_t address) {
+  std::lock_guard<std::mutex> lock(pinned_mutex);
+  TORCH_CHECK(pinned_ranges.erase(static_cast<uintptr_t>(address)) == 1,
+              "host_unregister: ", address, " is not registered");
 }
 
 // ---- device guard: one synchronous stream per device ----------------------------------------
@@ -339,6 +358,8 @@ TORCH_LIBRARY(raytrain_emu, m) {
   m.def("memory_allocated() -> int", &memory_allocated);
   m.def("max_memory_allocated() -> int", &max_memory_allocated);
   m.def("reset_peak_memory_stats() -> ()", &reset_peak_memory_stats);
+  m.def("host_register(int address, int nbytes) -> ()", &host_register);
+  m.def("host_unregister(int address) -> ()", &host_unregister);
 }
 
 struct RegisterHooks {
