@@ -103,10 +103,11 @@ def pin_host_memory(tensor: torch.Tensor, device_type: str):
         return None
     address, nbytes = tensor.data_ptr(), tensor.numel() * tensor.element_size()
     if device_type == "cuda":
-        from torch.cuda._pin_memory_utils import pin_memory, unpin_memory
-
-        pin_memory(address, nbytes)
-        return lambda: unpin_memory(address)
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(address, nbytes, 1))  # cudaHostRegisterPortable
+        if error:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} host bytes failed: cudaError {error}")
+        return lambda: cudart.cudaHostUnregister(address)
     module = torch.get_device_module(device_type)
     module.host_register(address, nbytes)
     return lambda: module.host_unregister(address)

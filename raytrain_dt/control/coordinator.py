@@ -239,7 +239,10 @@ class Coordinator:
         )
         self.policy = ElasticPolicy(self.cfg.elastic, self._plan_for)
         self.chaos = Chaos(
-            list(self.cfg.chaos), simulated, simulated_node_args(self.cfg.cluster, self.resource)
+            list(self.cfg.chaos),
+            simulated,
+            simulated_node_args(self.cfg.cluster, self.resource),
+            processes_on=self._rank_processes_on,
         )
         self.run_state = RunState()
         self.copies = CopyHolders()
@@ -294,6 +297,11 @@ class Coordinator:
     @property
     def step(self) -> int:
         return self.run_state.step
+
+    def _rank_processes_on(self, node_id: str) -> list[int]:
+        """The worker processes of the rank actors on `node_id` (node chaos kills them)."""
+        slots = [*self.group.slots, *self.group.idle]
+        return [s.pid for s in slots if s.node_id == node_id and s.pid]
 
     @property
     def lost_nodes(self) -> set[str]:

@@ -8,7 +8,10 @@ group has drained it. Every action fires once per run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +36,8 @@ class Chaos:
     arrived_at: float = 0.0
     # Nodes under a simulated preemption notice -> the index of the action that posted it.
     preempting: dict[str, int] = field(default_factory=dict)
+    # The rank actors' worker processes on a node (the simulated nodes all run on this host).
+    processes_on: Callable[[str], list[int]] | None = None
 
     def for_formation(self, begun_step: int) -> list[ChaosAction]:
         """The actions a formation's ranks carry: every one not fired, but a rank's `at:
@@ -78,8 +83,16 @@ class Chaos:
 
     def kill_node(self, node_id: str) -> None:
         node = next(n for n in self.simulated.list_all_nodes() if n.node_id == node_id)
+        workers = self.processes_on(node_id) if self.processes_on else []
         log.warning("chaos: removing node %s", node_id[:12])
         self.simulated.remove_node(node, allow_graceful=False)
+        # A machine that dies takes its processes with it. Removing a simulated node kills its
+        # raylet, and its workers exit only once they notice, about a second later here: long
+        # enough to join a formation begun meanwhile, and die in the middle of its process
+        # groups' connect, which no lost machine's processes could.
+        for pid in workers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
 
     def add_node(self) -> str:
         node = self.simulated.add_node(**self.node_resources)
