@@ -40,6 +40,7 @@ import signal
 import socket
 import threading
 import uuid
+import warnings
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
@@ -130,7 +131,12 @@ class WriteProcess:
 
     def __init__(self) -> None:
         ours, theirs = socket.socketpair()
-        self.pid = os.fork()
+        with warnings.catch_warnings():
+            # Python 3.12+ warns on forking a process with threads (Ray's, torch's): the child
+            # runs only this module's loop on its own pipe, with no CUDA and one intra-op
+            # thread (`_serve`); Python re-creates its own locks at a fork.
+            warnings.simplefilter("ignore", DeprecationWarning)
+            self.pid = os.fork()
         if self.pid == 0:  # the child
             code = 0
             try:
