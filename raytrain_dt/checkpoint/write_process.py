@@ -305,7 +305,8 @@ def _describe(item: WriteItem, planner: SavePlanner, arena: SharedHostBuffer | N
     default planner would (`torch.save`, thousands of times per save for an optimizer's
     per-parameter values: the bulk of the GIL a save took from the rank after its tensors)."""
     if item.type == WriteItemType.BYTE_IO:
-        if type(planner).transform_object is DefaultSavePlanner.transform_object:
+        own = getattr(type(planner), "transform_object", None)
+        if own is DefaultSavePlanner.transform_object:
             return _Value(planner.lookup_object(item.index))
         return planner.resolve_data(item).getvalue()  # a planner's own serialization
     tensor = planner.resolve_data(item).detach()
