@@ -92,10 +92,11 @@ class SharedHostBuffer:
 
 
 def _release(mapping: mmap.mmap, fd: int, unpin) -> None:
+    """Unpin and close the descriptor. `mapping` is passed only to outlive the unpinning; it is
+    unmapped once the finalizer and the last tensor viewing it let it go."""
     if unpin is not None:
         unpin()
     os.close(fd)
-    del mapping  # unmapped once the last view of it is gone
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ def _embedded_cpus(cluster: ClusterConfig) -> int:
 
 
 def _cpus_per_bundle(cluster: ClusterConfig) -> float:
-    """A rank's reservation: its actor's CPUs and its input pipeline's (`RankGroup._bundle`)."""
+    """A rank's reservation: its actor's CPUs and its input pipeline's
+    (`NodeReservations.bundle`)."""
     return cluster.cpus_per_rank + cluster.data_cpus_per_rank
 
 

@@ -1,7 +1,7 @@
 """Placement that mirrors nodes: how many ranks go on which node, and which actor is which rank.
 
 Pure functions, no Ray. Each node's ranks are reserved together in placement groups of their
-own on that node (STRICT_PACK, `control/rank_group.py`), so a lost node takes only its own
+own on that node (STRICT_PACK, `control/node_reservations.py`), so a lost node takes only its own
 reservations with it. Ranks are then assigned from the node ids the actors report, never from
 bundle order, which Ray does not promise.
 """

@@ -1,11 +1,11 @@
 """The rank group: rank actors in node-shaped placement groups, reused across layouts.
 
-Each batch of actors created on one node shares one STRICT_PACK placement group targeted at
-that node, so a node's accelerators are reserved together and a lost node takes only its own
-groups with it. On a resize the surviving actors are kept (their process group is destroyed,
-their Python and torch stay loaded), missing ones are created on the nodes the new layout
-uses, and ranks are assigned from the node ids the actors report. This is the only place the
-coordinator touches Ray actors; a dead actor shows up in `poll` at once as state "dead".
+Actors live in placement groups pinned to their node (`node_reservations`), so a lost node
+takes only its own reservations with it. On a resize the surviving actors are kept (their
+process group is destroyed, their Python and torch stay loaded), missing ones are created on
+the nodes the new layout uses, and ranks are assigned from the node ids the actors report.
+This is the only place the coordinator touches Ray actors (the calls on every rank at once are
+`actor_slots`'); a dead actor shows up in `poll` at once as state "dead".
 
 Starting an actor (a process that imports torch) takes seconds, so actors can also be warmed
 ahead of need (`warm`: a replacement for a dead rank, the ranks of a node that just joined)
@@ -20,20 +20,20 @@ import contextlib
 import logging
 import threading
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from raytrain_dt.control import warm_actors
 from raytrain_dt.control.actor_slots import (
     ActorSlot,
-    NodeReservation,
     StartingActor,
+    call_all,
     get_all,
-    rank_actor_options,
+    poll_all,
     started_slot,
+    try_call_all,
 )
-from raytrain_dt.control.comm_env import RUN_SCOPED_ENV
-from raytrain_dt.control.group import FormationFault, PlacementTimedOut
+from raytrain_dt.control.group import FormationFault
+from raytrain_dt.control.node_reservations import NodeReservations
 from raytrain_dt.control.placement import assign_ranks
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus
 
@@ -42,9 +42,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# How long a kept actor may take to answer its rebind (torn down and idle, it answers at once;
-# one whose node died answers with an error, not silence).
-REBIND_TIMEOUT_S = 30.0
 # How long a finished run's ranks may take to leave their layout before they are killed.
 END_TEARDOWN_S = 30.0
 # How long a first set-up waits for Ray Data's actors to be created on the driver's node (an
@@ -77,7 +74,7 @@ class RankGroup:
         self.slots: list[ActorSlot] = []  # ordered by rank once `form` has run
         self.idle: list[ActorSlot] = []  # started, in no layout
         self.starting: list[StartingActor] = []
-        self.reservations: list[NodeReservation] = []
+        self.reservations = NodeReservations(resource, cpus_per_rank, data_cpus_per_rank)
         self._next_index = 0
         self._adopted: set[int] = set()  # indices of kept actors no layout has used yet
         self._data_services: threading.Thread | None = None
@@ -91,62 +88,8 @@ class RankGroup:
         self._data_services = host_data_services_here()
 
     # --- placement ---------------------------------------------------------------------------
-    def _actor_options(self) -> dict:
-        return rank_actor_options(self.resource, self.cpus_per_rank)
-
-    def _bundle(self) -> dict:
-        options = self._actor_options()
-        bundle = {
-            "CPU": options.get("num_cpus", 0) + self.data_cpus_per_rank,
-            "GPU": options.get("num_gpus", 0),
-        }
-        bundle.update(options.get("resources", {}))
-        return {k: v for k, v in bundle.items() if v}
-
-    def _free_bundles(self, node_id: str) -> list[tuple[object, int]]:
-        used = {(id(s.pg), s.bundle_index) for s in [*self.slots, *self.idle, *self.starting]}
-        return [
-            (r.pg, i)
-            for r in self.reservations
-            if r.node_id == node_id
-            for i in range(r.size)
-            if (id(r.pg), i) not in used
-        ]
-
-    def _reserve(self, node_id: str, count: int, timeout_s: float | None) -> NodeReservation:
-        """Reserve `count` bundles on the node; waits until they are granted unless
-        `timeout_s` is None (actors placed in it start once it is)."""
-        import ray
-        from ray.util.placement_group import NODE_ID_LABEL_KEY, placement_group
-
-        # Pinned to the node by its `ray.io/node-id` label. A soft target (Ray's
-        # `_soft_target_node_id`) lands on another node whenever this one is full for the
-        # moment (actors just killed there still hold their accelerators): the reservation, and
-        # every rank later placed in it, would then stand for the wrong node in the plan's
-        # topology (seen: actors warmed for a node started on the other, and a later run found
-        # no room where the plan put them).
-        pg = placement_group(
-            [self._bundle()] * count,
-            strategy="STRICT_PACK",
-            bundle_label_selector=[{NODE_ID_LABEL_KEY: node_id}] * count,
-        )
-        if timeout_s is None:
-            reservation = NodeReservation(pg, node_id, count)
-            self.reservations.append(reservation)
-            return reservation
-        try:
-            ray.get(pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError as exc:
-            ray.util.remove_placement_group(pg)
-            raise PlacementTimedOut(
-                f"cluster.placement_timeout_s: no room for {count} ranks of {self.resource} "
-                f"(each {_describe(self._bundle())}) on node {node_id[:12]} within "
-                f"{timeout_s:.0f}s; free there: {_describe(_free_on(node_id))}",
-                node_id,
-            ) from exc
-        reservation = NodeReservation(pg, node_id, count)
-        self.reservations.append(reservation)
-        return reservation
+    def _used_bundles(self) -> set[tuple[int, int]]:
+        return {(id(s.pg), s.bundle_index) for s in [*self.slots, *self.idle, *self.starting]}
 
     def _start_on_node(
         self, node_id: str, count: int, timeout_s: float | None, input_workers: bool
@@ -163,15 +106,15 @@ class RankGroup:
         from raytrain_dt.data.input_pipeline import start_input_worker
         from raytrain_dt.worker.rank_actor import ACTOR_CONCURRENCY_GROUPS, RankWorker
 
-        places = self._free_bundles(node_id)[:count]
+        places = self.reservations.free_bundles(node_id, self._used_bundles())[:count]
         if len(places) < count:
-            reservation = self._reserve(node_id, count - len(places), timeout_s)
+            reservation = self.reservations.reserve(node_id, count - len(places), timeout_s)
             places += [(reservation.pg, i) for i in range(reservation.size)]
         actor_cls = ray.remote(concurrency_groups=ACTOR_CONCURRENCY_GROUPS)(RankWorker)
         started = []
         for pg, bundle_index in places:
             handle = actor_cls.options(
-                **self._actor_options(),
+                **self.reservations.actor_options,
                 runtime_env=self.runtime_env or None,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(
                     placement_group=pg, placement_group_bundle_index=bundle_index
@@ -332,17 +275,19 @@ class RankGroup:
         if self._data_services is not None:
             self._data_services.join(DATA_SERVICES_WAIT_S)
             self._data_services = None
-        return self._call_all("setup", [(spec,) for spec in specs], timeout_s)
+        return call_all(self.slots, "setup", [(spec,) for spec in specs], timeout_s)
 
     def verify_checkpoint(
         self, uri: str, shares: list[dict[str, dict]], timeout_s: float | None = None
     ) -> list[list[str]]:
         """Each rank checks its share of the checkpoint's files; what each found wrong."""
-        return self._call_all("verify_checkpoint", [(uri, share) for share in shares], timeout_s)
+        return call_all(
+            self.slots, "verify_checkpoint", [(uri, share) for share in shares], timeout_s
+        )
 
     def start(self) -> None:
         """Every rank starts its train loop (in the background: `poll` follows it)."""
-        self._call_all("start")
+        call_all(self.slots, "start")
 
     def teardown(
         self,
@@ -357,83 +302,18 @@ class RankGroup:
         return, at least the actor's own floor); the ranks that cannot be reused (stuck, dead
         or silent)."""
         args = (grace_s, keep_save, return_s)
-        return self._try_call_all("teardown", timeout_s, args, CONTROL_GROUP)
+        return try_call_all(self.slots, "teardown", timeout_s, args, CONTROL_GROUP)
 
     def request_checkpoint_and_stop(
         self, timeout_s: float = 30.0, memory_only: bool = False
     ) -> list[int]:
         """Every rank saves at the next step boundary and stops there (`memory_only`: into its
         in-memory copies, not storage); the ranks not told."""
-        return self._try_call_all("request_checkpoint_and_stop", timeout_s, (memory_only,))
-
-    def _call_all(
-        self, method: str, per_rank_args: list[tuple] | None = None, timeout_s: float | None = None
-    ) -> list:
-        """Call `method` on every rank concurrently (collectives need all ranks in) and wait:
-        a TimeoutError (Ray's GetTimeoutError) once that is more than `timeout_s`, `FormationFault`
-        as soon as one of them died."""
-        refs = [
-            getattr(slot.handle, method).remote(*(per_rank_args[rank] if per_rank_args else ()))
-            for rank, slot in enumerate(self.slots)
-        ]
-        return get_all(refs, timeout_s, [slot.node_id for slot in self.slots])
+        return try_call_all(self.slots, "request_checkpoint_and_stop", timeout_s, (memory_only,))
 
     def poll(self, timeout_s: float = 30.0) -> list[RankStatus]:
         """Every rank's status; an actor that died (or whose node died) is state "dead"."""
-        import ray
-
-        refs = [
-            slot.handle.poll.options(concurrency_group=CONTROL_GROUP).remote()
-            for slot in self.slots
-        ]
-        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        statuses = []
-        for rank, ref in enumerate(refs):
-            node_id = self.slots[rank].node_id
-            try:
-                statuses.append(replace(ray.get(ref, timeout=0.5), node_id=node_id))
-            except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as exc:
-                dead = isinstance(exc, ray.exceptions.RayActorError)
-                statuses.append(
-                    RankStatus(
-                        rank,
-                        "dead" if dead else "unresponsive",
-                        error=f"{type(exc).__name__}: {exc}",
-                        node_id=node_id,
-                    )
-                )
-        return statuses
-
-    def _try_call_all(
-        self,
-        method: str,
-        timeout_s: float = 30.0,
-        args: tuple = (),
-        concurrency_group: str | None = None,
-    ) -> list[int]:
-        """Call `method(*args)` on every rank (in the actor's `concurrency_group`), tolerating
-        dead ones; returns the ranks that failed (raised, timed out, or answered False)."""
-        import ray
-
-        options = {"concurrency_group": concurrency_group} if concurrency_group else {}
-        refs = {
-            rank: getattr(self.slots[rank].handle, method).options(**options).remote(*args)
-            for rank in range(self.world_size)
-        }
-        failed = []
-        for rank, ref in refs.items():
-            try:
-                answer = "answered False" if ray.get(ref, timeout=timeout_s) is False else None
-            except Exception as exc:
-                lines = str(exc).strip().splitlines() or [""]
-                answer = f"{type(exc).__name__}: {lines[-1].strip()}"
-                if isinstance(exc, ray.exceptions.RayTaskError):  # our code raised: where
-                    log.warning("rank %d: %s raised:\n%s", rank, method, str(exc).strip())
-            if answer is not None:
-                # Why an actor is given up (replaced, with its in-memory copies) is worth a line.
-                log.warning("rank %d: %s failed (%s)", rank, method, answer)
-                failed.append(rank)
-        return failed
+        return poll_all(self.slots, timeout_s)
 
     def drop(self, ranks: list[int]) -> None:
         """Kill these ranks' actors and forget them (dead, hung or on a lost node)."""
@@ -448,11 +328,9 @@ class RankGroup:
         for slot in slots:
             with contextlib.suppress(Exception):  # already dead
                 ray.kill(slot.handle)
-        still_used = {id(s.pg) for s in [*self.slots, *self.idle, *self.starting]}
-        for reservation in [r for r in self.reservations if id(r.pg) not in still_used]:
-            self.reservations.remove(reservation)
-            with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(reservation.pg)
+        self.reservations.release_unused(
+            {id(s.pg) for s in [*self.slots, *self.idle, *self.starting]}
+        )
 
     def shutdown(self) -> None:
         """Let every actor go at the run's end; with `keep_warm_s`, those that leave their
@@ -460,9 +338,7 @@ class RankGroup:
         kept = self._leave_for_next_run() if self.keep_warm_s > 0 else []
         actors = [a for a in [*self.slots, *self.idle, *self.starting] if a not in kept]
         self.slots, self.idle, self.starting = [], [], []
-        held = {id(slot.pg) for slot in kept}
-        reservations = [r for r in self.reservations if id(r.pg) in held]
-        self.reservations = [r for r in self.reservations if id(r.pg) not in held]
+        reservations = self.reservations.hand_over({id(slot.pg) for slot in kept})
         self._release(actors)
         if kept:
             warm_actors.keep(
@@ -483,80 +359,31 @@ class RankGroup:
         return kept
 
     def _warm_key(self) -> tuple:
-        """What a kept actor must share with this group to join it: the Ray job, the resource,
-        the CPUs per rank, the device setting and the environment it was started with
-        (`warm_actors`)."""
-        import ray
-
-        env = dict(self.runtime_env.get("env_vars") or {})
-        for name in RUN_SCOPED_ENV:
-            env.pop(name, None)
-        rest = {k: v for k, v in self.runtime_env.items() if k != "env_vars"}
-        return (
-            ray.get_runtime_context().get_job_id(),
+        return warm_actors.actor_key(
             self.resource,
             self.cpus_per_rank,
             self.data_cpus_per_rank,
             self.device,
-            tuple(sorted(env.items())),
-            repr(sorted(rest.items())),
+            self.runtime_env,
         )
 
     def adopt_warm(self) -> int:
         """Take the actors a finished run of this driver kept warm, when they match this group
-        (`_warm_key`), as idle actors for the first formation (which lets go those it does not
-        use); release them otherwise. Each is rebound to this run (`RankWorker.rebind`); one
-        that does not answer (its node died) is let go. Returns how many were taken."""
-        import ray
-
+        (`warm_actors.actor_key`), as idle actors for the first formation (which lets go those
+        it does not use); release them otherwise. Each is rebound to this run
+        (`warm_actors.rebind`); one that does not answer (its node died) is let go. Returns how
+        many were taken."""
         kept = warm_actors.take()
         if kept is None:
             return 0
         if kept.key != self._warm_key():
             warm_actors.release(kept)
             return 0
-        env = self.runtime_env.get("env_vars") or {}
-        run_env = {name: env[name] for name in RUN_SCOPED_ENV if name in env}
-        self.reservations += kept.reservations
-        # Asked together, each answering for itself: a dead one costs no other's answer.
-        first = self._next_index
-        refs = [
-            slot.handle.rebind.remote(self.run_dir, first + i, run_env)
-            for i, slot in enumerate(kept.slots)
-        ]
-        alive, dead = [], []
-        for i, (slot, ref) in enumerate(zip(kept.slots, refs, strict=True)):
-            try:
-                where = ray.get(ref, timeout=REBIND_TIMEOUT_S)
-            except Exception as exc:
-                log.warning("a warm actor on node %s is gone: %s", slot.node_id[:12], exc)
-                dead.append(slot)
-                continue
-            alive.append(replace(slot, actor_index=first + i, ip=where["ip"], pid=where["pid"]))
+        self.reservations.held += kept.reservations
+        alive, dead = warm_actors.rebind(kept, self.run_dir, self._next_index, self.runtime_env)
         self._next_index += len(kept.slots)
         self.idle += alive
         self._adopted = {s.actor_index for s in alive}
         self._release(dead)
         log.info("took %d warm rank actors from the driver's last run", len(alive))
         return len(alive)
-
-
-def _free_on(node_id: str) -> dict:
-    """The node's unreserved resources now, as Ray's GCS reports them (what a placement that
-    timed out did not find)."""
-    from ray._private.state import available_resources_per_node
-
-    try:
-        return available_resources_per_node().get(node_id, {})
-    except Exception:  # a diagnostic: never the reason a time-out is not reported
-        return {}
-
-
-def _describe(resources: dict) -> str:
-    """`CPU 0.75, accelerator 1`: Ray's own resources (node and memory keys left out)."""
-    shown = {
-        k: round(v, 3)
-        for k, v in sorted(resources.items())
-        if not k.startswith("node:") and k not in ("memory", "object_store_memory")
-    }
-    return ", ".join(f"{k} {v:g}" for k, v in shown.items()) or "nothing"

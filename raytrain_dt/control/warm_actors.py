@@ -4,8 +4,8 @@ Starting a rank actor is a process importing torch: seconds of CPU each, paid ag
 run. A driver that trains run after run (a sweep, a notebook, a test session) may keep the
 healthy actors of a finished run, torn down (no process group, no model) but with torch
 loaded, for the next run, which takes them with their placement-group bundles
-(`RankGroup.adopt_warm`) and rebinds each to itself (`RankWorker.rebind`). Only a run that
-would have started the same actors reuses them: the same Ray job, accelerator resource, CPUs
+(`RankGroup.adopt_warm`) and rebinds each to itself (`rebind`). Only a run that would have
+started the same actors reuses them (`actor_key`): the same Ray job, accelerator resource, CPUs
 per rank, `cluster.device` (a process keeps what its first device set up) and actor
 environment (bar the variables that name one run's files, `comm_env.RUN_SCOPED_ENV`).
 Otherwise, and once `keep_warm_s` has passed with no run taking them, they are released: kept
@@ -19,16 +19,22 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from raytrain_dt.control.comm_env import RUN_SCOPED_ENV
 
 log = logging.getLogger(__name__)
+
+# How long a kept actor may take to answer its rebind (torn down and idle, it answers at once;
+# one whose node died answers with an error, not silence).
+REBIND_TIMEOUT_S = 30.0
 
 
 @dataclass
 class WarmActors:
-    key: tuple  # what a run must match to take them (`RankGroup._warm_key`)
+    key: tuple  # what a run must match to take them (`actor_key`)
     slots: list  # `ActorSlot`s, torn down (in no layout)
-    reservations: list  # the `NodeReservation`s whose bundles they hold
+    reservations: list  # the `node_reservations.NodeReservation`s whose bundles they hold
 
 
 _kept: WarmActors | None = None
@@ -85,3 +91,53 @@ def release(warm: WarmActors) -> None:
         with contextlib.suppress(Exception):
             ray.util.remove_placement_group(reservation.pg)
     log.info("released %d warm rank actors", len(warm.slots))
+
+
+def actor_key(
+    resource: str, cpus_per_rank: float, data_cpus_per_rank: float, device: str, runtime_env: dict
+) -> tuple:
+    """What a kept actor must share with a rank group to join it: the Ray job, the resource,
+    the CPUs per rank, the device setting and the environment it was started with (bar the
+    variables that name one run's files)."""
+    import ray
+
+    env = dict(runtime_env.get("env_vars") or {})
+    for name in RUN_SCOPED_ENV:
+        env.pop(name, None)
+    rest = {k: v for k, v in runtime_env.items() if k != "env_vars"}
+    return (
+        ray.get_runtime_context().get_job_id(),
+        resource,
+        cpus_per_rank,
+        data_cpus_per_rank,
+        device,
+        tuple(sorted(env.items())),
+        repr(sorted(rest.items())),
+    )
+
+
+def rebind(
+    warm: WarmActors, run_dir: str, first_index: int, runtime_env: dict
+) -> tuple[list, list]:
+    """Rebind each kept actor to a new run (`RankWorker.rebind`: its run directory, its actor
+    index from `first_index` on, the run's own variables of `runtime_env`); the slots of those
+    that answered (with their new index, address and pid) and of those that did not."""
+    import ray
+
+    env = runtime_env.get("env_vars") or {}
+    run_env = {name: env[name] for name in RUN_SCOPED_ENV if name in env}
+    # Asked together, each answering for itself: a dead one costs no other's answer.
+    refs = [
+        slot.handle.rebind.remote(run_dir, first_index + i, run_env)
+        for i, slot in enumerate(warm.slots)
+    ]
+    alive, dead = [], []
+    for i, (slot, ref) in enumerate(zip(warm.slots, refs, strict=True)):
+        try:
+            where = ray.get(ref, timeout=REBIND_TIMEOUT_S)
+        except Exception as exc:
+            log.warning("a warm actor on node %s is gone: %s", slot.node_id[:12], exc)
+            dead.append(slot)
+            continue
+        alive.append(replace(slot, actor_index=first_index + i, ip=where["ip"], pid=where["pid"]))
+    return alive, dead
