@@ -2,16 +2,17 @@
 given `RankSpec`, trains in a thread, and answers health polls while it does.
 
 Ray is used only at this boundary (the class is made remote by the coordinator); the train
-step itself (`worker.train_loop`) makes no Ray calls. Leaving a layout (`teardown`, and the
+step itself (`worker.train_loop`) makes no Ray calls. Joining a layout (`setup`'s build on the
+torch thread) is `JoinsLayouts` (`worker/layout_join.py`). Leaving one (`teardown`, and the
 release of a layout whose loop failed) is `LeavesLayouts` (`worker/layout_release.py`): it
 destroys the process groups and frees the model so the same actor can join the next layout
-without re-importing torch.
+without re-importing torch. This module keeps the actor's lifecycle, its loop's savers and
+what the coordinator calls.
 """
 
 from __future__ import annotations
 
 import gc
-import json
 import logging
 import os
 import queue
@@ -24,32 +25,23 @@ from pathlib import Path
 
 from raytrain_dt.accel.device import (
     accelerator_name,
-    host_memory,
     memory_usage,
-    ray_accelerator_index,
-    ray_device_kind,
-    reset_host_peak,
-    select_device,
 )
 from raytrain_dt.checkpoint.digests import verify_files
 from raytrain_dt.checkpoint.memory_files import to_wire
-from raytrain_dt.checkpoint.record import tensor_shapes, train_state_record
+from raytrain_dt.checkpoint.record import train_state_record
 from raytrain_dt.checkpoint.store import CheckpointStore
 from raytrain_dt.checkpoint.write_process import start_write_process
-from raytrain_dt.data.input_pipeline import DataPlacement, import_rank_pipeline_modules
-from raytrain_dt.engines.base import EngineBuild
-from raytrain_dt.engines.factory import build_engine
+from raytrain_dt.data.input_pipeline import import_rank_pipeline_modules
 from raytrain_dt.engines.optim import scheduled_lr
-from raytrain_dt.models.materialize import initial_weights
-from raytrain_dt.models.model_spec import llama_spec
 from raytrain_dt.observe.mfu import peak_flops_per_accelerator
 from raytrain_dt.worker.checkpointing import RankCheckpointer
 from raytrain_dt.worker.input_stream import InputStream
+from raytrain_dt.worker.layout_join import JoinsLayouts
 from raytrain_dt.worker.layout_release import (
     LeavesLayouts,
     abort_process_groups,
     find_layout_caches,
-    layout_process_groups,
 )
 from raytrain_dt.worker.notices import NoticeBoard, route_sigterm
 from raytrain_dt.worker.peer_copies import (
@@ -58,10 +50,7 @@ from raytrain_dt.worker.peer_copies import (
     CopyKey,
     CopyStore,
     PeerCopier,
-    load_from_copies,
 )
-from raytrain_dt.worker.rank_chaos import RankChaos
-from raytrain_dt.worker.rendezvous import join_layout
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus, TrainStateReport
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
@@ -107,7 +96,7 @@ def import_lazy_torch_modules() -> None:
     start_write_process()
 
 
-class RankWorker(LeavesLayouts):
+class RankWorker(JoinsLayouts, LeavesLayouts):
     def __init__(self, run_dir: str, actor_index: int):
         self._init_at = time.time()
         route_sigterm()  # the constructor runs on the main thread, the methods do not
@@ -227,131 +216,6 @@ class RankWorker(LeavesLayouts):
         self.notices.watch_spot(spec.cfg.elastic.spot_notice_url)
         self._setting_up = self._torch_thread.submit(self._build, spec)
         return self._setting_up.result()
-
-    @staticmethod
-    def _open_input(spec: RankSpec, start_at_once: bool) -> InputStream:
-        return InputStream(
-            spec.data,
-            spec.cfg.data.prefetch_batches,
-            DataPlacement.of_this_actor(spec.cfg.cluster.data_cpus_per_rank),
-            start_at_once,
-        )
-
-    def _build(self, spec: RankSpec) -> dict:
-        self._torch_thread_id = threading.get_ident()
-        timings: dict[str, float] = {}
-        # Host memory of the idle actor (torch imported), and the peak from here on: this
-        # layout's own (a reused actor's earlier layouts do not count).
-        reset_host_peak()
-        idle_rss = host_memory()["host_rss_bytes"]
-        run_start = not (spec.resume_from or spec.memory_resume)
-        if run_start:
-            # No recovery waits for this layout's first step: its pipeline starts now, and the
-            # node's Ray Data workers start while the model builds (`input_stream`).
-            self._batches = self._open_input(spec, start_at_once=True)
-        t0 = time.perf_counter()
-        # The accelerator Ray assigned this actor, not one guessed from the rank.
-        device = select_device(
-            spec.cfg.engine.precision,
-            ray_device_kind(spec.cfg.cluster.device),
-            ray_accelerator_index(),
-        )
-        device.activate()
-        self._device = device
-        joined = join_layout(spec, device.backend, device.device_type, self._stop)
-        self._store, mesh = joined.store, joined.mesh
-        timings["process_group_s"] = time.perf_counter() - t0
-
-        t1 = time.perf_counter()
-        model_spec = spec.model or llama_spec(spec.shape)
-        # For the checkpoint record: the full model's shapes, from its structure alone.
-        meta = model_spec.build(spec.cfg.data.seq_len, spec.cfg.run.seed, device="meta")
-        self._tensor_shapes = tensor_shapes(meta.state_dict())
-        resuming = spec.resume_from or spec.memory_resume
-        init_from = None if resuming else spec.cfg.model.init_from  # a checkpoint wins
-        weights = initial_weights(model_spec, spec.cfg.run.seed, init_from)
-        # The engine materializes only this rank's shards (`models.materialize`).
-        self.engine = build_engine(
-            EngineBuild(model_spec, spec.cfg, spec.layout, mesh, device, weights)
-        )
-        self._chaos = RankChaos(
-            spec.cfg.chaos,
-            spec.rank,
-            spec.cfg.chaos_step_delay_s,
-            wait_for_save=lambda: self.checkpointer.wait(),
-            reports=self._reports,
-            polls=lambda: self._polls,
-        )
-        self.checkpointer = RankCheckpointer(
-            self.engine,
-            spec.rank,
-            self._reports.put,
-            spec.cfg.checkpoint.async_save,
-            device,
-            die_while_saving=self._chaos.die_while_saving(),
-            groups=joined.checkpoint_groups,
-        )
-        timings["model_build_s"] = time.perf_counter() - t1
-        # Reported in the `model_built` event (what building the model cost in host memory).
-        peak_rss = host_memory()["host_rss_peak_bytes"]
-        timings.update(host_rss_idle_bytes=idle_rss, host_rss_peak_bytes=peak_rss)
-        self._copier = self._peer_copier(spec, device)
-        if self._copier is not None:
-            self.checkpointer.copy_busy = lambda: self._copier.busy
-        t_load = time.perf_counter()
-        if spec.memory_resume is not None:
-            read = load_from_copies(
-                self.engine,
-                device,
-                spec.rank,
-                spec.memory_resume,
-                self.copies,
-                spec.actor_index,
-                spec.resume_from,
-            )
-            timings.update(read)
-        elif spec.resume_from:
-            self.engine.load(spec.resume_from)
-            self.checkpointer.restore_rng(spec.resume_from)
-        timings["checkpoint_load_s"] = time.perf_counter() - t_load
-        t_warm = time.perf_counter()
-        self.engine.warm_up()  # the first step's one-time costs, paid here (see __init__)
-        timings["warm_up_s"] = time.perf_counter() - t_warm
-
-        t2 = time.perf_counter()
-        if not run_start:
-            # The first steps are read here while Ray Data's pipeline starts (`input_stream`).
-            self._batches = self._open_input(spec, start_at_once=False)
-        timings["data_start_s"] = time.perf_counter() - t2
-        log.info(
-            "rank %d/%d ready: %s (%s)",
-            spec.rank,
-            spec.world_size,
-            spec.layout.describe(),
-            json.dumps(timings),
-        )
-        self._layout_groups = layout_process_groups()  # every group it made, for its release
-        return timings
-
-    def _peer_copier(self, spec: RankSpec, device) -> PeerCopier | None:
-        if not spec.cfg.checkpoint.memory_every_steps or not self.engine.supports_async_save:
-            return None  # DeepSpeed writes its own files: it resumes from durable checkpoints
-        log.info(
-            "rank %d: in-memory copies every %d steps, held here and by actor %s",
-            spec.rank,
-            spec.cfg.checkpoint.memory_every_steps,
-            spec.copy_peer.actor_index if spec.copy_peer else None,
-        )
-        return PeerCopier(
-            self.engine,
-            device,
-            spec.rank,
-            spec.generation,
-            spec.actor_index,
-            self.copies,
-            spec.copy_peer,
-            self._reports.put,
-        )
 
     def start(self) -> None:
         spec = self.spec
