@@ -160,18 +160,15 @@ def _input_worker_task():
 
 def import_rank_pipeline_modules() -> None:
     """What a rank's own pipeline (`iterate_micro_batches`) imports at its first read: Ray
-    Data, and the ray.train helpers its `iter_torch_batches` imports (0.6 s and 0.27 s of CPU
-    on an idle host; 875 modules in all, pandas's among them). A rank actor imports them when
-    it starts (`worker.rank_actor.import_lazy_torch_modules`), before it freezes the garbage
-    collector's view, not in its first layout. There they competed with its set-up and first
+    Data (0.6 s of CPU on an idle host, 1.2 s on a 2-core CI-like one; pandas's modules among
+    them). A rank actor imports it when it starts (`worker.rank_actor.
+    import_lazy_torch_modules`), before it freezes the garbage collector's view, not in its
+    first layout. There it competed with its set-up and first
     step, and every teardown's full collection scanned their objects again: in
     bench/bench_elastic.py a grown-back replacement's first step took 1.15 s, now 0.79 (median
     of 3), and a rank death's teardown 0.74 s, now 0.23 (a failed rank's collection frees the
     groups its blocked peers wait on)."""
-    # One name, `ray`, bound three times: the last binding is the one the linter calls unused.
-    import ray.data
-    import ray.train.torch
-    import ray.train.utils  # noqa: F401
+    import ray.data  # noqa: F401
 
 
 def _import_input_modules() -> int:
@@ -351,13 +348,28 @@ def iterate_micro_batches(
     # of a short step at one row per micro-batch. Rows per rank are a multiple of micro_batch.
     per_batch = max(1, 256 // data.micro_batch)  # micro-batches per Ray Data batch
     source = ds if stop is None else _stoppable_iterator(ds, stop)
-    batches = source.iter_torch_batches(
+    # Numpy batches made tensors here, not `iter_torch_batches`: that imports ray.train (0.56 s
+    # of CPU in every rank process, on a 2-core host) to learn that it is not in a Ray Train
+    # worker, and leaves the host-to-device copy to the engine all the same.
+    batches = source.iter_batches(
         batch_size=data.micro_batch * per_batch,
         prefetch_batches=-(-prefetch_batches // per_batch),  # at least as many rows ahead
+        batch_format="numpy",
         drop_last=False,
     )
     return (
-        {k: v[start : start + data.micro_batch] for k, v in batch.items()}
-        for batch in batches
-        for start in range(0, len(batch["tokens"]), data.micro_batch)
+        {k: v[start : start + data.micro_batch] for k, v in tensors.items()}
+        for tensors in map(_as_tensors, batches)
+        for start in range(0, len(tensors["tokens"]), data.micro_batch)
     )
+
+
+def _as_tensors(batch: dict[str, np.ndarray]) -> dict:
+    """A Ray Data batch's columns as host tensors sharing its arrays' memory. Those may be
+    read-only views of its Arrow blocks, which torch warns of; the micro-batches are only read
+    (Ray Data's own collation shares them the same way)."""
+    import torch
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return {name: torch.as_tensor(column) for name, column in batch.items()}
