@@ -160,14 +160,13 @@ def _input_worker_task():
 
 def import_rank_pipeline_modules() -> None:
     """What a rank's own pipeline (`iterate_micro_batches`) imports at its first read: Ray
-    Data (0.6 s of CPU on an idle host, 1.2 s on a 2-core CI-like one; pandas's modules among
-    them). A rank actor imports it when it starts (`worker.rank_actor.
-    import_lazy_torch_modules`), before it freezes the garbage collector's view, not in its
-    first layout. There it competed with its set-up and first
-    step, and every teardown's full collection scanned their objects again: in
-    bench/bench_elastic.py a grown-back replacement's first step took 1.15 s, now 0.79 (median
-    of 3), and a rank death's teardown 0.74 s, now 0.23 (a failed rank's collection frees the
-    groups its blocked peers wait on)."""
+    Data, with pandas's modules among its own (0.6 to 1.2 s of CPU, by host). A rank actor
+    imports it when it starts (`worker.rank_actor.import_lazy_torch_modules`), before it
+    freezes the garbage collector's view, not in its first layout. There the import competed
+    with its set-up and first step, and every teardown's full collection scanned its objects
+    again: in bench/bench_elastic.py a grown-back replacement's first step took 1.15 s, now
+    0.79 (median of 3), and a rank death's teardown 0.74 s, now 0.23 (a failed rank's
+    collection frees the groups its blocked peers wait on)."""
     import ray.data  # noqa: F401
 
 
