@@ -75,6 +75,9 @@ class JoinsLayouts:
         )
 
     def _build(self, spec: RankSpec) -> dict:
+        """Set `spec`'s layout up on the torch thread (collective: every rank of the layout
+        builds at once). Returns where its seconds went and the host memory the model's build
+        took, which the coordinator records (the formation's phases, `model_built`)."""
         self._torch_thread_id = threading.get_ident()
         timings: dict[str, float] = {}
         # Host memory of the idle actor (torch imported), and the peak from here on: this
