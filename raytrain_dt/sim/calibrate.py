@@ -11,7 +11,9 @@ its `start`/`resize` event, `control/recovery_timing.py`):
   the unattributed rest) and checkpoint load: the first restart after a failure (actors
   reused), or without one (a run with notices only) the first resize;
   the first step's extra time: that formation's `first_step`, and the first growth's for a
-  formation that started actors (`Costs.new_actor_first_step_extra_s`); the in-memory restore and
+  formation that started actors (`Costs.new_actor_first_step_extra_s`), and that formation's
+  re-form (`Costs.new_actor_reform_s`: new actors finish their warm-up, and the kept ones wait
+  for them in their first process groups); the in-memory restore and
   hand-over (`Costs.memory_restore_s`, `memory_copy_s`): the same load and JIT save, as
   measured (a run with in-memory copies measures those);
 - actor start: how much longer the first growth (new actors on a new node) took to form;
@@ -94,6 +96,9 @@ def costs_from_run(run_dir: str | Path, add_step: int | None = None) -> Costs:
         actor_start_s=grown[0].get("detection_s", 0.0) if grown else 0.0,
         first_step_extra_s=first_step_extra_s(restart),
         new_actor_first_step_extra_s=first_step_extra_s(started[0]) if started else None,
+        new_actor_reform_s=(
+            _formation_s(started[0]) - started[0].get("checkpoint_load_s", 0.0) if started else None
+        ),
         ckpt_stall_s=statistics.median(stalls) if stalls else 0.0,
         step_s_by_world=step_s,
     )

@@ -27,6 +27,10 @@ class Costs:
     # restart), beyond a normal one: their first collectives form their connections lazily (on
     # GPUs, NCCL's communicators), their allocators and data readers warm up. None: as above.
     new_actor_first_step_extra_s: float | None = None
+    # The re-form of a formation that started actors, in place of `reform_s`: actors counted up
+    # once torch is imported still finish their warm-up (torch's lazy imports) before their
+    # first process groups form, and the kept ones wait for them there. None: `reform_s`.
+    new_actor_reform_s: float | None = None
     # Checkpoints; None derives them from the checkpoint bytes and the bandwidths below.
     ckpt_save_s: float | None = None  # a full, committed write (the JIT save on a notice)
     ckpt_load_s: float | None = None

@@ -243,7 +243,11 @@ class GroupModel:
         c = self.costs
         new_nodes = {node_index(n) for n in set(decision.nodes) - self.actor_nodes}
         load = c.memory_restore_s if in_memory else self.planner.load_s(c, len(decision.nodes))
-        cost = c.replan_s + c.reform_s + load
+        new_actors = self.strategy.cold_restart or bool(new_nodes)
+        reform = (
+            c.new_actor_reform_s if new_actors and c.new_actor_reform_s is not None else c.reform_s
+        )
+        cost = c.replan_s + reform + load
         if self.strategy.cold_restart:
             cost += c.actor_start_s
         elif new_nodes:  # pre-started actors cost only what is left of their start, if any
@@ -251,7 +255,7 @@ class GroupModel:
             cost += max(0.0, left)
         self.phase, self.gen = "forming", self.gen + 1
         self.forming = decision
-        self._forming_new_actors = self.strategy.cold_restart or bool(new_nodes)
+        self._forming_new_actors = new_actors
         self._timer(cost, "formed", decision)
 
     def _roll_back(self) -> bool:
