@@ -61,8 +61,8 @@ def aborted_collective_grace_s(device: DeviceSpec | None) -> float:
 
 class LeavesLayouts:
     """Leaving a layout, for `RankWorker`, which sets these up (`RankWorker.__init__`) and
-    builds them for each layout (`layout_join.JoinsLayouts._build`). The actor and its imported torch stay
-    for the next layout."""
+    builds them for each layout (`layout_join.JoinsLayouts._build`). The actor and its
+    imported torch stay for the next layout."""
 
     spec: RankSpec | None
     actor_index: int
