@@ -92,9 +92,16 @@ class Recovery:
         lost = lost_with_node(broken, [s.node_id for s in self.group.slots])
         lost |= set(run.layout_nodes) - {n.node_id for n in self.cluster.nodes()}
         run.lost_nodes |= lost
-        missed = {}  # the deadline a hung group missed, and how long it had gone without a step
+        # The deadline a hung group missed, how long it had gone without progress (a step or a
+        # save written: what the bound is held against) and without a step.
+        missed = {}
         if bound is not None:
-            missed = {**bound.fields(), "since_step_s": round(time.time() - run.last_progress, 3)}
+            now = time.time()
+            missed = {
+                **bound.fields(),
+                "since_progress_s": round(now - run.last_alive, 3),
+                "since_step_s": round(now - run.last_progress, 3),
+            }
         self.recorder.event("failure", health=health, step=run.step, ranks=errors, **missed)
         log.warning("ranks %s %s at step %d: %s", sorted(errors), health, run.step + 1, errors)
         # A lost node is not the step's fault: only the training's own failures repeat.

@@ -82,6 +82,12 @@ class RunState:
         """The furthest step trained before the latest failure."""
         return max(self.step, self.failed_step)
 
+    @property
+    def last_alive(self) -> float:
+        """time.time() of the group's latest progress, a step or a save written: the hang
+        bound is held against the time since."""
+        return max(self.last_progress, self.last_save_written)
+
     def left_layout(self) -> None:
         """No group trains any more (a failure): plan from scratch. After a failed formation
         the layout before stays the previous one (the next resize's old layout)."""

@@ -112,7 +112,7 @@ class GroupWatch:
         if statuses and all(s.state == "done" for s in statuses):
             return Finished(run.step)
         bound = self.deadlines.hang_bound(saving=bool(self.tracker.in_flight))
-        if time.time() - max(run.last_progress, run.last_save_written) > bound.seconds:
+        if time.time() - run.last_alive > bound.seconds:
             log.warning(
                 "no step or save completed for %.0fs (%s): the group is hung",
                 bound.seconds,

@@ -51,11 +51,14 @@ def test_slow_steps_are_no_hang_and_a_real_hang_is_caught_within_its_bound(
     (failure,) = [e for e in events if e["event"] == "failure"]
     assert failure["health"] == "hung" and failure["step"] == 3
     # The bound in force was the p99 rule's: 5x the measured steps, which took the delay (3x
-    # the floor) and more. The hang was declared once the group had gone that long without a
-    # step (the driver polls every 0.1 s; a busy machine answers slower).
+    # the floor) and more. The hang was declared once the group had gone that long without
+    # progress (the driver polls every 0.1 s; a busy machine answers slower). Progress is a
+    # step or a save written: step 2's save, written after step 3 on a loaded host, moved the
+    # deadline on (CI: 4.6 s), so the time since the last step alone may be longer.
     assert failure["bound_basis"] == "p99" and f"{MULTIPLE} x p99 step" in failure["bound_detail"]
     assert failure["bound_s"] >= MULTIPLE * DELAY_S
-    assert failure["bound_s"] < failure["since_step_s"] <= failure["bound_s"] + 2.0
+    assert failure["bound_s"] < failure["since_progress_s"] <= failure["bound_s"] + 2.0
+    assert failure["since_step_s"] >= failure["since_progress_s"]
     # The recovered run trained what an uninterrupted one does.
     metrics = read_jsonl(f"{result.run_dir}/metrics.jsonl")
     ref_losses, _ = reference_run(cfg, 6)
