@@ -1,5 +1,6 @@
-"""The rank actors' environment: the NCCL/Gloo settings of a run (overridable from config) and
-the driver variables `cluster.forward_env` names, nothing else of the driver's.
+"""The rank actors' environment: the NCCL/Gloo settings of a run (overridable from config), the
+host allocator's, and the driver variables `cluster.forward_env` names, nothing else of the
+driver's.
 
 Computed on the driver and handed to the actors through their Ray `runtime_env` (env_vars),
 because NCCL and torch read these variables when a process creates its first communicator,
@@ -30,6 +31,14 @@ log = logging.getLogger(__name__)
 # and is reused for the next layout with torch, CUDA context and warm caches in place, instead
 # of being killed (3) and replaced by a fresh process.
 _ABORT_AND_RAISE_ON_NCCL_ERROR = "2"
+
+# torch's host allocator backs each tensor of 2 MB or more with transparent huge pages (c10's
+# THP_MEM_ALLOC_ENABLE, read at the process's first allocation: set from its start). FSDP2
+# allocates every layer's unsharded parameters and gradients afresh at each step, and on the
+# host (cpu, emulated) every new 4 KB page of them is a page fault: allocating and filling 2.2
+# GB cost 2.0 s of kernel time with 4 KB pages, 0.66 s with huge pages (docs/communication.md).
+# Accelerator memory and pinned host buffers have their own allocators: unaffected.
+HOST_ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 # The variables that name one run's files. They are read when a process group forms, so an
 # actor kept warm for the driver's next run (`cluster.keep_warm_s`) takes the new run's values
@@ -107,9 +116,11 @@ def rank_runtime_env(
     run_dir: str | Path,
     environ: Mapping[str, str] | None = None,
 ) -> dict:
-    """The rank actors' `runtime_env`: the driver variables `cluster.forward_env` names, then
-    this run's communication settings (which win, as `comm.env` wins over everything)."""
+    """The rank actors' `runtime_env`: the driver variables `cluster.forward_env` names, the
+    host allocator's setting, then this run's communication settings (which win, as `comm.env`
+    wins over everything)."""
     env = forwarded_env(cfg.cluster.forward_env, os.environ if environ is None else environ)
+    env.update(HOST_ALLOCATOR_ENV)
     env.update(run_comm_env(cfg, cluster_mode, run_dir))
     return {"env_vars": env}
 

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from raytrain_dt.config import load_config
-from raytrain_dt.control.comm_env import comm_env, rank_runtime_env, run_comm_env, spans_nodes
+from raytrain_dt.control.comm_env import (
+    HOST_ALLOCATOR_ENV,
+    comm_env,
+    rank_runtime_env,
+    run_comm_env,
+    spans_nodes,
+)
 from raytrain_dt.errors import ConfigError
 
 RECIPE = "conf/test.yaml"
@@ -113,8 +119,15 @@ def test_no_driver_variable_reaches_the_actors_unless_named(tmp_path):
     credentials must never be copied there by default."""
     cfg = load_config(RECIPE, [])
     env_vars = rank_runtime_env(cfg, "joined", tmp_path, DRIVER_ENV)["env_vars"]
-    assert env_vars == run_comm_env(cfg, "joined", tmp_path)
+    assert env_vars == {**HOST_ALLOCATOR_ENV, **run_comm_env(cfg, "joined", tmp_path)}
     assert not {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "HOME"} & set(env_vars)
+
+
+def test_the_host_allocators_huge_pages_are_on_unless_comm_env_says_otherwise(tmp_path):
+    cfg = load_config(RECIPE, [])
+    assert rank_runtime_env(cfg, "joined", tmp_path, {})["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "1"
+    cfg = load_config(RECIPE, ["comm.env.THP_MEM_ALLOC_ENABLE=0"])
+    assert rank_runtime_env(cfg, "joined", tmp_path, {})["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_named_variables_are_forwarded_and_comm_settings_win(tmp_path, caplog):
