@@ -30,6 +30,8 @@ from raytrain_dt.config import load_config
 from raytrain_dt.config.schema import ClusterConfig
 from raytrain_dt.data.prepare import prepare_dataset
 
+pytest_plugins = ["timeout_dumps"]  # how a time-out fires in an xdist worker
+
 REPO = Path(__file__).resolve().parents[1]
 # A fixed corpus (the stdlib's json and email packages), so test data do not change with
 # this repository's own code.
