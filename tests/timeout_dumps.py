@@ -10,6 +10,8 @@ and it never reaches a main thread blocked in a C call (a gloo collective). "thr
 GIL to act, and writes the stacks where xdist drops them. faulthandler's watchdog is a C thread:
 it writes every thread's stack and exits even while a C call holds the GIL.
 
+The worker's simulated Ray cluster goes with it: Ray's Cluster ties its raylets and GCS to the
+process that started them, and their agents exit within two minutes of their raylet (measured).
 Outside xdist (`make test`'s solo run) pytest-timeout fires as configured.
 """
 
