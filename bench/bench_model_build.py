@@ -16,6 +16,10 @@ the llama-1b preset (1.24B), the largest preset whose build fits on this 24 GiB 
 next one, llama-7b, is 27 GB in fp32 even spread over 4 ranks), built but not trained (a
 step's fp32 AdamW state would need 20 GB more).
 
+The ranks run with the host allocator's huge pages, as rank actors do (`comm_env`'s
+HOST_ALLOCATOR_ENV); the 400M model once more without them ("4 KB pages") times what they save
+in a step, whose fresh unsharded buffers otherwise page-fault 4 KB at a time.
+
 Prints one line per case and writes bench/results/model_build.json.
 Run: python bench/bench_model_build.py [--only NAME ...]
 """
@@ -61,6 +65,8 @@ CASES = {
     ),
     "llama-1b": ({"preset": "llama-1b"}, False),
 }
+CASES["400M, 4 KB pages"] = CASES["400M"]
+FOUR_KB_PAGES = {"400M, 4 KB pages"}
 
 
 def make_config(model: dict):
@@ -104,13 +110,17 @@ def _rank_main(rank: int, port: int, model: dict, train: bool, results) -> None:
     )
     built = host_memory()["host_rss_peak_bytes"]
     build_s = time.perf_counter() - started
-    stepped = None
+    stepped = step_s = None
     if train:
+        engine.warm_up()  # as the rank actor does before its first step
         tokens = torch.randint(0, 256, (1, SEQ_LEN))
+        dist.barrier()
+        started = time.perf_counter()
         engine.train_step([tokens], 0)
+        step_s = time.perf_counter() - started
         stepped = host_memory()["host_rss_peak_bytes"]
     dist.barrier()
-    results.put((rank, idle, built, stepped, build_s))
+    results.put((rank, idle, built, stepped, build_s, step_s))
     dist.destroy_process_group()
 
 
@@ -147,6 +157,7 @@ def _spawn(target, args_per_process: list[tuple]) -> list:
 
 
 def bench_case(name: str) -> dict:
+    from raytrain_dt.control.comm_env import HOST_ALLOCATOR_ENV
     from raytrain_dt.control.run_setup import model_shape
 
     model, train = CASES[name]
@@ -155,9 +166,17 @@ def bench_case(name: str) -> dict:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    ranks = _spawn(_rank_main, [(r, port, model, train) for r in range(WORLD)])
-    build = max(built - idle for _, idle, built, _, _ in ranks)
-    step = max(stepped - idle for _, idle, _, stepped, _ in ranks) if train else None
+    # The spawned ranks' environment: torch reads it at a process's first allocation.
+    pages = {variable: "0" for variable in HOST_ALLOCATOR_ENV} if name in FOUR_KB_PAGES else {}
+    saved = dict(os.environ)
+    os.environ.update({**HOST_ALLOCATOR_ENV, **pages})
+    try:
+        ranks = _spawn(_rank_main, [(r, port, model, train) for r in range(WORLD)])
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    build = max(built - idle for _, idle, built, _, _, _ in ranks)
+    step = max(stepped - idle for _, idle, _, stepped, _, _ in ranks) if train else None
     (whole,) = _spawn(_whole_model, [(model,)])
     row = {
         "model": name,
@@ -169,6 +188,8 @@ def bench_case(name: str) -> dict:
         "step_rss_above_idle_gb": "not trained" if step is None else round(step / GB, 3),
         "idle_rss_gb": round(max(r[1] for r in ranks) / GB, 3),
         "build_s": round(max(r[4] for r in ranks), 1),
+        "host_pages": "4 KB" if pages else "huge (2 MB)",
+        "step_s": "not trained" if step is None else round(max(r[5] for r in ranks), 1),
         "old_whole_model_rss_above_idle_gb": round(whole / GB, 3),
         "old_4_ranks_total_gb": round(WORLD * whole / GB, 2),
         "status": "PASS" if build < full / 2 else "FAIL",
@@ -176,7 +197,7 @@ def bench_case(name: str) -> dict:
     print(
         f"{name}: {params / 1e6:.0f}M params ({full / GB:.2f} GB fp32): build +{build / GB:.3f} "
         f"GB per rank ({build / full:.2f}x the model)"
-        + ("" if step is None else f", after a step +{step / GB:.3f} GB")
+        + ("" if step is None else f", after a step +{step / GB:.3f} GB in {row['step_s']} s")
         + f"; the whole model in one process +{whole / GB:.3f} GB  {row['status']}"
     )
     return row
@@ -196,7 +217,8 @@ def main() -> int:
         cases,
         notes=f"{WORLD} ranks (torch.multiprocessing, gloo, CPU, fp32, 1 thread each), seq_len "
         f"{SEQ_LEN}; max over ranks; step_*: after one step (AdamW moments and the foreach "
-        "optimizer's temporaries included). old_*: the whole fp32 model constructed and "
+        "optimizer's temporaries included); step_s: that step's time, after the engine's "
+        "warm-up. old_*: the whole fp32 model constructed and "
         "initialised in one process, which every rank did before sharding until sharded "
         "materialization. llama-1b is the largest preset whose build fits on this 24 GiB "
         "machine (llama-7b is 27 GB in fp32 even over 4 ranks); the old path would have "
