@@ -30,6 +30,8 @@ def _free_accelerators(expected: float, within_s: float = 30.0) -> float:
         time.sleep(0.2)
 
 
+# Several training runs: 160-180 s in the gate beside another worker, over half the default 300.
+@pytest.mark.timeout(600)
 def test_a_second_run_takes_the_first_runs_actors_and_trains_the_same(
     fresh_actors, make_config, tmp_path
 ):
@@ -66,6 +68,8 @@ def test_a_second_run_takes_the_first_runs_actors_and_trains_the_same(
     assert warm_actors.take() is None
 
 
+# Several training runs: 160-180 s in the gate beside another worker, over half the default 300.
+@pytest.mark.timeout(600)
 def test_a_smaller_run_keeps_what_it_used_and_other_settings_release_them(
     fresh_actors, make_config, tmp_path
 ):
