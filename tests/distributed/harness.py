@@ -22,14 +22,18 @@ from dataclasses import dataclass, field
 PG_TIMEOUT_S = 60
 JOB_TIMEOUT_S = 180
 # What every rank process imports before its first job: torch, what torch imports on first use
-# (torch._dynamo, at FSDP2's first DTensor), DCP and the FSDP2 engine. About 5 CPU-s a process
-# here; forked from a server that imported them once, a rank starts in a fraction of a second.
+# (torch._dynamo, at FSDP2's first DTensor), DCP and the FSDP2 engine, and what its first read
+# of the token dataset imports (`pq.read_table` imports pyarrow.dataset, and with it pandas:
+# about 2.3 CPU-s a rank, measured with py-spy). About 7 CPU-s a process here; forked from a
+# server that imported them once, a rank starts in a fraction of a second.
 RANK_PRELOAD = [
     "torch",
     "torch._dynamo",
     "torch.distributed.fsdp",
     "torch.distributed.checkpoint.state_dict",
     "raytrain_dt.engines.fsdp2",
+    "raytrain_dt.data.source",
+    "pyarrow.dataset",
 ]
 
 

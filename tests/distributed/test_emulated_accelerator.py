@@ -1,10 +1,11 @@
 """The GPU path on the emulated accelerator: host memory behind a device type of its own, and
 a collective backend that refuses host tensors as NCCL does (`raytrain_dt.accel.emulated`).
 
-Each layout trains 5 steps on the emulated device and on the CPU in the same pool, and the two
-must agree within 1e-5 (and both with the single-process reference). The harness must bite: an
-engine that sums its loss in a host tensor, as the engines once did, trains on the CPU but
-fails on the emulated device exactly where it would fail on NCCL.
+Each layout trains 5 steps on the emulated device, and its losses and final parameters must
+equal the single-process reference within 1e-5, as the same layouts on the CPU do
+(`test_engine_matrix.py`; DeepSpeed's ZeRO stages in `tests/ray/test_deepspeed_training.py`).
+The harness must bite: an engine that sums its loss in a host tensor, as the engines once did,
+trains on the CPU but fails on the emulated device exactly where it would fail on NCCL.
 """
 
 from __future__ import annotations
@@ -33,13 +34,11 @@ EMULATED = {
 
 
 @pytest.mark.parametrize("name", list(EMULATED))
-def test_emulated_run_equals_cpu_run(pool, cfg, reference, name):
+def test_emulated_run_equals_single_process(pool, cfg, reference, name):
     engine, layout = EMULATED[name]
     cfg = dataclasses.replace(cfg, engine=dataclasses.replace(cfg.engine, name=engine))
     emulated = pool.run(cfg, layout, STEPS, device="emulated")
-    cpu = pool.run(cfg, layout, STEPS, device="cpu")
-    assert emulated.param_device == "emu" and cpu.param_device == "cpu"
-    assert emulated.losses == pytest.approx(cpu.losses, abs=1e-5)
+    assert emulated.param_device == "emu"
     assert emulated.losses == pytest.approx(reference[0], abs=1e-5)
     for key, value in reference[1].items():
         torch.testing.assert_close(emulated.params[key], value, atol=1e-5, rtol=0, msg=key)
