@@ -21,7 +21,10 @@ import psutil
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-os.environ.setdefault("RAY_DISABLE_USAGE_STATS", "1")
+# No usage reporting by the suite's Ray instances (Ray's own switch; inherited by every process
+# they and the tests start). With it on, each pipeline's first run also starts Ray Data's usage
+# collection actor, a process that imports Ray Data and stays for the session.
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 import mlflow_server  # tests/ is on sys.path from here on

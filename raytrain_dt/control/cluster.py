@@ -32,7 +32,9 @@ SIMULATED_ACCELERATOR = "accelerator"
 #   one CPU for two ranks), every layout's Ray Data pipelines therefore started new processes,
 #   each paying ~2.3 s of CPU to import Ray Data while the ranks train or re-form beside it.
 #   Idle ones now wait 10 minutes for the next pipeline; they are bounded by the most tasks the
-#   run ever had at once, since an idle worker is reused before a new one starts.
+#   driver's runs ever had at once, since an idle worker is reused before a new one starts
+#   (the actors' runtime_env, which the pipelines' tasks inherit, is the same from run to run:
+#   `control/comm_env.py`).
 # - A lost raylet is noticed in ~1.5 s instead of Ray's default ~15 s (simulated nodes), so a
 #   killed node is reported dead before the coordinator re-plans without it.
 OWN_INSTANCE_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}

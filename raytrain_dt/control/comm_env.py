@@ -12,6 +12,13 @@ Actors outlive layouts (a resize rebuilds only the process group), so the enviro
 decided per run, not per layout: a run that may span nodes gets the multi-node settings even
 while it sits on one node. Hardware facts of a node type (the libfabric/EFA provider) belong
 to the node and are set in cluster.yaml, not here.
+
+Nothing here names one run's files: each actor points the flight recorder's dumps at its own
+run's logs (`RankWorker._bind_to_run`), so every run of one config has the same environment.
+Ray starts a worker process per distinct runtime_env and gives an idle one only to work of an
+equal one: a variable that changed from run to run made every run of a driver (a sweep, a
+notebook, the test suite) start its input pipelines' workers afresh, and left the last run's
+idle beside them (`cluster.OWN_INSTANCE_SYSTEM_CONFIG` keeps idle workers for 10 minutes).
 """
 
 from __future__ import annotations
@@ -19,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
-from pathlib import Path
 
 from raytrain_dt.config.schema import CommConfig, TrainConfig
 
@@ -40,11 +46,6 @@ _ABORT_AND_RAISE_ON_NCCL_ERROR = "2"
 # Accelerator memory and pinned host buffers have their own allocators: unaffected.
 HOST_ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
-# The variables that name one run's files. They are read when a process group forms, so an
-# actor kept warm for the driver's next run (`cluster.keep_warm_s`) takes the new run's values
-# then (`RankWorker.rebind`); every other variable must be equal for it to be reused.
-RUN_SCOPED_ENV = ("TORCH_NCCL_DEBUG_INFO_TEMP_FILE",)
-
 
 def spans_nodes(cfg: TrainConfig, cluster_mode: str) -> bool:
     """May this run's ranks sit on more than one node? (cluster_mode: ClusterHandle.mode)"""
@@ -53,22 +54,22 @@ def spans_nodes(cfg: TrainConfig, cluster_mode: str) -> bool:
     return cfg.elastic.max_nodes != 1
 
 
-def run_comm_env(cfg: TrainConfig, cluster_mode: str, run_dir: str | Path) -> dict:
-    """The environment of this run's rank actors; NCCL's flight-recorder dumps go to its logs."""
-    return comm_env(cfg.comm, spans_nodes(cfg, cluster_mode), Path(run_dir) / "logs")
+def run_comm_env(cfg: TrainConfig, cluster_mode: str) -> dict:
+    """The environment of this run's rank actors."""
+    return comm_env(cfg.comm, spans_nodes(cfg, cluster_mode))
 
 
-def comm_env(comm: CommConfig, multi_node: bool, log_dir: str | Path | None = None) -> dict:
+def comm_env(comm: CommConfig, multi_node: bool) -> dict:
     """Environment variables for every rank actor of a run (all values are strings)."""
     env = {
         "TORCH_NCCL_ASYNC_ERROR_HANDLING": _ABORT_AND_RAISE_ON_NCCL_ERROR,
         "TORCH_NCCL_BLOCKING_WAIT": "1" if comm.blocking_wait else "0",
         "NCCL_DEBUG": comm.debug,
     }
-    if comm.trace_buffer and log_dir is not None:
+    if comm.trace_buffer:
+        # NCCL's flight recorder; each actor points its dumps at its run's logs.
         env["TORCH_NCCL_TRACE_BUFFER_SIZE"] = str(comm.trace_buffer)
         env["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
-        env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] = str(Path(log_dir) / "nccl_trace_rank_")
     for name, value in (
         ("NCCL_ALGO", comm.algo),
         ("NCCL_PROTO", comm.proto),
@@ -111,17 +112,14 @@ def _multi_node_env(comm: CommConfig) -> dict:
 
 
 def rank_runtime_env(
-    cfg: TrainConfig,
-    cluster_mode: str,
-    run_dir: str | Path,
-    environ: Mapping[str, str] | None = None,
+    cfg: TrainConfig, cluster_mode: str, environ: Mapping[str, str] | None = None
 ) -> dict:
     """The rank actors' `runtime_env`: the driver variables `cluster.forward_env` names, the
     host allocator's setting, then this run's communication settings (which win, as `comm.env`
-    wins over everything)."""
+    wins over everything). The same for every run of one config: see above."""
     env = forwarded_env(cfg.cluster.forward_env, os.environ if environ is None else environ)
     env.update(HOST_ALLOCATOR_ENV)
-    env.update(run_comm_env(cfg, cluster_mode, run_dir))
+    env.update(run_comm_env(cfg, cluster_mode))
     return {"env_vars": env}
 
 

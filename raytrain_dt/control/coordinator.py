@@ -158,7 +158,7 @@ class Coordinator:
             str(self.run_dir),
             handle.accelerator_resource,
             self.cfg.cluster.cpus_per_rank,
-            runtime_env=rank_runtime_env(self.cfg, handle.mode, self.run_dir),
+            runtime_env=rank_runtime_env(self.cfg, handle.mode),
             keep_warm_s=self.cfg.cluster.keep_warm_s,
             device=self.cfg.cluster.device,
             data_cpus_per_rank=self.cfg.cluster.data_cpus_per_rank,

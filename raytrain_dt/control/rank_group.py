@@ -380,7 +380,7 @@ class RankGroup:
             warm_actors.release(kept)
             return 0
         self.reservations.held += kept.reservations
-        alive, dead = warm_actors.rebind(kept, self.run_dir, self._next_index, self.runtime_env)
+        alive, dead = warm_actors.rebind(kept, self.run_dir, self._next_index)
         self._next_index += len(kept.slots)
         self.idle += alive
         self._adopted = {s.actor_index for s in alive}

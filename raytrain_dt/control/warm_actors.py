@@ -7,7 +7,7 @@ loaded, for the next run, which takes them with their placement-group bundles
 (`RankGroup.adopt_warm`) and rebinds each to itself (`rebind`). Only a run that would have
 started the same actors reuses them (`actor_key`): the same Ray job, accelerator resource, CPUs
 per rank, `cluster.device` (a process keeps what its first device set up) and actor
-environment (bar the variables that name one run's files, `comm_env.RUN_SCOPED_ENV`).
+environment (which names no run's files: `control/comm_env.py`).
 Otherwise, and once `keep_warm_s` has passed with no run taking them, they are released: kept
 actors hold their accelerators, and (`RankWorker.park`) no longer their last model's heap.
 
@@ -20,8 +20,6 @@ import contextlib
 import logging
 import threading
 from dataclasses import dataclass, replace
-
-from raytrain_dt.control.comm_env import RUN_SCOPED_ENV
 
 log = logging.getLogger(__name__)
 
@@ -97,13 +95,10 @@ def actor_key(
     resource: str, cpus_per_rank: float, data_cpus_per_rank: float, device: str, runtime_env: dict
 ) -> tuple:
     """What a kept actor must share with a rank group to join it: the Ray job, the resource,
-    the CPUs per rank, the device setting and the environment it was started with (bar the
-    variables that name one run's files)."""
+    the CPUs per rank, the device setting and the environment it was started with."""
     import ray
 
-    env = dict(runtime_env.get("env_vars") or {})
-    for name in RUN_SCOPED_ENV:
-        env.pop(name, None)
+    env = runtime_env.get("env_vars") or {}
     rest = {k: v for k, v in runtime_env.items() if k != "env_vars"}
     return (
         ray.get_runtime_context().get_job_id(),
@@ -116,20 +111,15 @@ def actor_key(
     )
 
 
-def rebind(
-    warm: WarmActors, run_dir: str, first_index: int, runtime_env: dict
-) -> tuple[list, list]:
+def rebind(warm: WarmActors, run_dir: str, first_index: int) -> tuple[list, list]:
     """Rebind each kept actor to a new run (`RankWorker.rebind`: its run directory, its actor
-    index from `first_index` on, the run's own variables of `runtime_env`); the slots of those
-    that answered (with their new index, address and pid) and of those that did not."""
+    index from `first_index` on); the slots of those that answered (with their new index,
+    address and pid) and of those that did not."""
     import ray
 
-    env = runtime_env.get("env_vars") or {}
-    run_env = {name: env[name] for name in RUN_SCOPED_ENV if name in env}
     # Asked together, each answering for itself: a dead one costs no other's answer.
     refs = [
-        slot.handle.rebind.remote(run_dir, first_index + i, run_env)
-        for i, slot in enumerate(warm.slots)
+        slot.handle.rebind.remote(run_dir, first_index + i) for i, slot in enumerate(warm.slots)
     ]
     alive, dead = [], []
     for i, (slot, ref) in enumerate(zip(warm.slots, refs, strict=True)):

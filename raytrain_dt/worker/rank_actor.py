@@ -62,6 +62,15 @@ log = logging.getLogger("raytrain_dt.rank")
 ACTOR_CONCURRENCY_GROUPS = {COPY_GROUP: COPY_GROUP_THREADS, CONTROL_GROUP: 1}
 
 
+# torch's NCCL flight recorder (on unless `comm.trace_buffer=0`, `control/comm_env.py`) dumps a
+# rank's last collectives on a timeout to this prefix plus the rank; torch reads it when it
+# writes its first dump. Each actor points it at its run's logs, beside its own log
+# (docs/troubleshooting.md), so that the actors' runtime_env names no run's files; a
+# `comm.env` setting of it stands.
+FLIGHT_RECORDER_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
+FLIGHT_RECORDER_FILE_PREFIX = "nccl_trace_rank_"
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("", 0))
@@ -103,6 +112,7 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
         self.run_dir = Path(run_dir)
         self.actor_index = actor_index
         self._log_handler: logging.Handler | None = None
+        self._flight_recorder_file_given = FLIGHT_RECORDER_FILE_ENV in os.environ  # comm.env
         self.spec: RankSpec | None = None
         self.engine = None
         self.checkpointer: RankCheckpointer | None = None
@@ -134,12 +144,15 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
         # layout's, until its collection has freed them (`_free_old_layout`).
         self._layout_groups: list = []
         self._released_groups: list = []
-        self._log_to(self.run_dir, actor_index)
+        self._bind_to_run(self.run_dir, actor_index)
 
-    def _log_to(self, run_dir: Path, actor_index: int) -> None:
-        """This actor's log: `run_dir/logs/actor_<index>.log`, the run's own."""
+    def _bind_to_run(self, run_dir: Path, actor_index: int) -> None:
+        """What this actor writes goes to the run's logs: its own log,
+        `run_dir/logs/actor_<index>.log`, and its flight-recorder dumps."""
         logs = run_dir / "logs"
         logs.mkdir(parents=True, exist_ok=True)
+        if not self._flight_recorder_file_given:
+            os.environ[FLIGHT_RECORDER_FILE_ENV] = str(logs / FLIGHT_RECORDER_FILE_PREFIX)
         handler = logging.FileHandler(logs / f"actor_{actor_index}.log")
         handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
         root = logging.getLogger("raytrain_dt")
@@ -150,18 +163,16 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
         root.setLevel(logging.INFO)
         self._log_handler = handler
 
-    def rebind(self, run_dir: str, actor_index: int, run_env: dict[str, str]) -> dict:
+    def rebind(self, run_dir: str, actor_index: int) -> dict:
         """Join another run of the same driver as its actor `actor_index` (a warm actor kept
         from a finished run: `RankGroup` and `cluster.keep_warm_s`). It was torn down when
         that run ended; here it forgets the run: its held in-memory copies (generations start
-        again in every run), its reports and its log, and takes the new run's variables that
-        name the run's files (`comm_env.RUN_SCOPED_ENV`, read when a process group forms).
+        again in every run), its reports, and where it writes (`_bind_to_run`).
         Returns `where()`, which also proves it alive."""
         if self.engine is not None:  # `teardown` releases it
             raise RuntimeError(f"actor {self.actor_index} is still in a layout; not rebound")
         self.run_dir, self.actor_index = Path(run_dir), actor_index
-        self._log_to(self.run_dir, actor_index)
-        os.environ.update(run_env)
+        self._bind_to_run(self.run_dir, actor_index)
         self.copies = CopyStore()
         self.spec = None
         self._reports = queue.Queue()

@@ -13,9 +13,7 @@ from raytrain_dt.control.comm_env import rank_runtime_env
 pytestmark = pytest.mark.usefixtures("ray_cluster")
 
 
-def test_an_actor_sees_the_comm_env_and_only_the_named_driver_variables(
-    make_config, tmp_path, monkeypatch
-):
+def test_an_actor_sees_the_comm_env_and_only_the_named_driver_variables(make_config, monkeypatch):
     import ray
 
     monkeypatch.setenv("AWS_REGION", "eu-north-1")
@@ -23,7 +21,7 @@ def test_an_actor_sees_the_comm_env_and_only_the_named_driver_variables(
     cfg = make_config(
         "comm.env.NCCL_IB_TIMEOUT=22", "comm.network=socket", "cluster.forward_env=[AWS_REGION]"
     )
-    runtime_env = rank_runtime_env(cfg, "existing", tmp_path)
+    runtime_env = rank_runtime_env(cfg, "existing")
     assert "AWS_SECRET_ACCESS_KEY" not in runtime_env["env_vars"]
 
     @ray.remote(num_cpus=0)

@@ -4,6 +4,7 @@ own run directory, and what is kept is released when its time is up."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -13,6 +14,7 @@ from raytrain_dt.control import warm_actors
 from raytrain_dt.control.cluster import SIMULATED_ACCELERATOR
 from raytrain_dt.control.coordinator import train
 from raytrain_dt.observe.metrics import read_jsonl
+from raytrain_dt.worker.rank_actor import FLIGHT_RECORDER_FILE_ENV
 
 
 def _events(run_dir, kind: str) -> list[dict]:
@@ -30,6 +32,15 @@ def _free_accelerators(expected: float, within_s: float = 30.0) -> float:
         time.sleep(0.2)
 
 
+def _flight_recorder_files(kept: warm_actors.WarmActors) -> set[str]:
+    """Where each kept actor's NCCL flight recorder would dump, read in its own process."""
+    refs = [
+        slot.handle.__ray_call__.remote(lambda actor: os.environ.get(FLIGHT_RECORDER_FILE_ENV))
+        for slot in kept.slots
+    ]
+    return set(ray.get(refs, timeout=60))
+
+
 # Several training runs: 160-180 s in the gate beside another worker, over half the default 300.
 @pytest.mark.timeout(600)
 def test_a_second_run_takes_the_first_runs_actors_and_trains_the_same(
@@ -45,9 +56,12 @@ def test_a_second_run_takes_the_first_runs_actors_and_trains_the_same(
     assert connected["warm_actors"] == 0
     # Kept: the four ranks still hold their accelerators after the run.
     assert ray.available_resources().get(SIMULATED_ACCELERATOR, 0.0) == total - 4
+    kept = warm_actors.take()
+    assert _flight_recorder_files(kept) == {str(tmp_path / "first/logs/nccl_trace_rank_")}
+    warm_actors.keep(kept, 600)
 
     second = train(
-        make_config(*common, "cluster.keep_warm_s=1", run_dir=tmp_path / "second"),
+        make_config(*common, "cluster.keep_warm_s=600", run_dir=tmp_path / "second"),
         show_progress=False,
     )
     (connected,) = _events(second.run_dir, "connected")
@@ -59,11 +73,14 @@ def test_a_second_run_takes_the_first_runs_actors_and_trains_the_same(
         [m["loss"] for m in read_jsonl(f"{r.run_dir}/metrics.jsonl")] for r in (first, second)
     ]
     assert len(losses[1]) == 4 and losses[1] == pytest.approx(losses[0], abs=1e-6)
-    # Each actor logs into the run it trains now.
+    # Each actor logs into the run it trains now, and would dump its collectives there.
     logs = sorted((tmp_path / "second" / "logs").glob("actor_*.log"))
     assert [p.name for p in logs] == [f"actor_{i}.log" for i in range(4)]
     assert all("rebound to run" in p.read_text() for p in logs)
-    # The second run kept them for 1 s: then they are released, accelerators and all.
+    kept = warm_actors.take()
+    assert _flight_recorder_files(kept) == {str(tmp_path / "second/logs/nccl_trace_rank_")}
+    # Kept for 1 s: then they are released, accelerators and all.
+    warm_actors.keep(kept, 1)
     assert _free_accelerators(total) == total
     assert warm_actors.take() is None
 

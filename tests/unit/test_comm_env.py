@@ -66,12 +66,18 @@ def test_configured_tuning_and_env_overrides_win():
     assert all(isinstance(v, str) for v in env.values())  # Ray's env_vars take strings only
 
 
-def test_flight_recorder_dumps_into_the_run_logs(tmp_path):
-    cfg = load_config(RECIPE, [f"run.dir={tmp_path}"])
-    env = run_comm_env(cfg, "existing", tmp_path)
-    assert env["TORCH_NCCL_DEBUG_INFO_TEMP_FILE"] == str(tmp_path / "logs" / "nccl_trace_rank_")
+def test_the_flight_recorder_is_on_and_the_environment_names_no_run(tmp_path):
+    """The actors' environment is the same for every run of one config: Ray gives an idle
+    worker process only to work of an equal runtime_env (each actor points the recorder's
+    dumps at its run's logs itself: tests/ray/test_warm_actors.py)."""
+    cfg = load_config(RECIPE)
+    env = run_comm_env(cfg, "existing")
+    assert env["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
     assert env["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
-    off = comm_env(_comm("comm.trace_buffer=0"), multi_node=True, log_dir=tmp_path)
+    first = rank_runtime_env(load_config(RECIPE, [f"run.dir={tmp_path}/a"]), "existing", {})
+    second = rank_runtime_env(load_config(RECIPE, [f"run.dir={tmp_path}/b"]), "existing", {})
+    assert first == second
+    off = comm_env(_comm("comm.trace_buffer=0"), multi_node=True)
     assert "TORCH_NCCL_TRACE_BUFFER_SIZE" not in off
 
 
@@ -114,23 +120,23 @@ DRIVER_ENV = {
 }
 
 
-def test_no_driver_variable_reaches_the_actors_unless_named(tmp_path):
+def test_no_driver_variable_reaches_the_actors_unless_named():
     """Ray keeps the runtime_env in the GCS and shows it in the dashboard: a driver's
     credentials must never be copied there by default."""
     cfg = load_config(RECIPE, [])
-    env_vars = rank_runtime_env(cfg, "joined", tmp_path, DRIVER_ENV)["env_vars"]
-    assert env_vars == {**HOST_ALLOCATOR_ENV, **run_comm_env(cfg, "joined", tmp_path)}
+    env_vars = rank_runtime_env(cfg, "joined", DRIVER_ENV)["env_vars"]
+    assert env_vars == {**HOST_ALLOCATOR_ENV, **run_comm_env(cfg, "joined")}
     assert not {"AWS_SECRET_ACCESS_KEY", "AWS_ACCESS_KEY_ID", "HOME"} & set(env_vars)
 
 
-def test_the_host_allocators_huge_pages_are_on_unless_comm_env_says_otherwise(tmp_path):
+def test_the_host_allocators_huge_pages_are_on_unless_comm_env_says_otherwise():
     cfg = load_config(RECIPE, [])
-    assert rank_runtime_env(cfg, "joined", tmp_path, {})["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "1"
+    assert rank_runtime_env(cfg, "joined", {})["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "1"
     cfg = load_config(RECIPE, ["comm.env.THP_MEM_ALLOC_ENABLE=0"])
-    assert rank_runtime_env(cfg, "joined", tmp_path, {})["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "0"
+    assert rank_runtime_env(cfg, "joined", {})["env_vars"]["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
-def test_named_variables_are_forwarded_and_comm_settings_win(tmp_path, caplog):
+def test_named_variables_are_forwarded_and_comm_settings_win(caplog):
     cfg = load_config(
         RECIPE,
         [
@@ -138,7 +144,7 @@ def test_named_variables_are_forwarded_and_comm_settings_win(tmp_path, caplog):
             "comm.env.AWS_REGION=us-east-2",
         ],
     )
-    env_vars = rank_runtime_env(cfg, "joined", tmp_path, DRIVER_ENV)["env_vars"]
+    env_vars = rank_runtime_env(cfg, "joined", DRIVER_ENV)["env_vars"]
     assert env_vars["AWS_SECRET_ACCESS_KEY"] == DRIVER_ENV["AWS_SECRET_ACCESS_KEY"]
     assert env_vars["AWS_REGION"] == "us-east-2"  # comm.env wins over the driver's value
     assert env_vars["NCCL_DEBUG"] == "WARN"  # the run's comm setting wins too
