@@ -5,18 +5,23 @@ the cluster's accelerators the policy may plan for (only those whose actors have
 from __future__ import annotations
 
 import logging
+import time
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from raytrain_dt.config.schema import TrainConfig
 from raytrain_dt.control.cluster import ClusterView
 from raytrain_dt.control.group import RankGroupLike
 from raytrain_dt.control.policies import capacity_request
 from raytrain_dt.control.run_state import RunState
+from raytrain_dt.data.autoscaler_requests import REQUEST_EXPIRY_S
 from raytrain_dt.observe.metrics import RunRecorder
 from raytrain_dt.topology.nodes import NodeInfo
 
 log = logging.getLogger(__name__)
+
+# Well within the expiry of a request Ray Data's coordinator holds.
+REQUEST_REFRESH_S = REQUEST_EXPIRY_S / 10
 
 
 @dataclass
@@ -27,12 +32,20 @@ class Capacity:
     group: RankGroupLike
     run: RunState
     recorder: RunRecorder
+    _asked_at: float = field(default=0.0, init=False)  # time.monotonic() of the last ask
 
     def request(self, nodes: tuple[NodeInfo, ...]) -> None:
-        """Ask the autoscaler for what the run can use (only when that changes)."""
+        """Ask the autoscaler for what the run can use when that changes, and the same again
+        every `REQUEST_REFRESH_S`: Ray Data's coordinator, where one runs, drops a request it
+        holds once it is `REQUEST_EXPIRY_S` old, and one that started after the run asked
+        replaces the run's request until the run asks through it
+        (`data/autoscaler_requests.py`)."""
         bundles = self._bundles(nodes)
         if bundles != self.run.capacity_requested:
             self._ask(bundles)
+        elif bundles and time.monotonic() - self._asked_at > REQUEST_REFRESH_S:
+            self.cluster.request_capacity(bundles)
+            self._asked_at = time.monotonic()
 
     def withdraw(self) -> None:
         """Take the request back at the run's end: Ray keeps a request in force until the next
@@ -63,6 +76,7 @@ class Capacity:
     def _ask(self, bundles: list[dict]) -> None:
         self.run.capacity_requested = bundles
         self.cluster.request_capacity(bundles)
+        self._asked_at = time.monotonic()
         self.recorder.event("capacity_request", bundles=bundles)
 
     def warm(

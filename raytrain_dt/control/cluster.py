@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from raytrain_dt.config.schema import ClusterConfig
+from raytrain_dt.data.autoscaler_requests import ask_with_ray_data
 
 # NodeInfo is the planner's view of a node (topology/nodes.py); alive_nodes builds them here.
 from raytrain_dt.topology.nodes import NodeInfo
@@ -246,6 +247,7 @@ class ClusterView(Protocol):
 @dataclass
 class RayClusterView:
     resource: str
+    requester: str = "raytrain_dt"  # the run, to Ray Data's autoscaling coordinator
 
     def nodes(self) -> list[NodeInfo]:
         return alive_nodes(self.resource)
@@ -262,8 +264,12 @@ class RayClusterView:
             return set()
 
     def request_capacity(self, bundles: list[dict]) -> None:
-        """Tell the autoscaler what the run wants (persistent until replaced; a no-op on a
-        cluster without an autoscaler)."""
+        """Tell the autoscaler what the run wants (none: nothing), in force until replaced (a
+        no-op on a cluster without an autoscaler): through Ray Data's autoscaling coordinator
+        where one runs, which would otherwise replace it (`data/autoscaler_requests.py`),
+        directly where none does."""
+        if ask_with_ray_data(self.requester, bundles):
+            return
         from ray.autoscaler.sdk import request_resources
 
         request_resources(bundles=bundles)

@@ -167,7 +167,7 @@ class Coordinator:
         warm = group.adopt_warm()  # actors this driver's last run kept (`cluster.keep_warm_s`)
         self.begin(
             handle.accelerator_resource,
-            RayClusterView(handle.accelerator_resource),
+            RayClusterView(handle.accelerator_resource, requester=f"raytrain_dt:{self.run_dir}"),
             group,
             self.simulated_cluster or handle.simulated,
         )

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from raytrain_dt.data.autoscaler_requests import pipelines_in_groups_ask_nothing
 from raytrain_dt.data.order import rank_rows, sample_ids
 from raytrain_dt.data.source import TokenDataset
 
@@ -160,7 +161,8 @@ def _input_worker_task():
 
 def import_rank_pipeline_modules() -> None:
     """What a rank's own pipeline (`iterate_micro_batches`) imports at its first read: Ray
-    Data, with pandas's modules among its own (0.6 to 1.2 s of CPU, by host). A rank actor
+    Data, with pandas's modules among its own (0.6 to 1.2 s of CPU, by host), set to ask the
+    autoscaler for nothing from a placement group (`autoscaler_requests`). A rank actor
     imports it when it starts (`worker.rank_actor.import_lazy_torch_modules`), before it
     freezes the garbage collector's view, not in its first layout. There the import competed
     with its set-up and first step, and every teardown's full collection scanned its objects
@@ -168,6 +170,8 @@ def import_rank_pipeline_modules() -> None:
     0.79 (median of 3), and a rank death's teardown 0.74 s, now 0.23 (a failed rank's
     collection frees the groups its blocked peers wait on)."""
     import ray.data  # noqa: F401
+
+    pipelines_in_groups_ask_nothing()
 
 
 def _import_input_modules() -> int:
@@ -298,6 +302,8 @@ def iterate_micro_batches(
     """Yield {'position', 'sample_id', 'tokens', 'real'} torch batches of `micro_batch` rows, in
     order. `stop` (optional) ends the stream early from another thread."""
     import ray.data
+
+    pipelines_in_groups_ask_nothing()  # its placement group is reserved already
 
     if data.num_rows == 0 or (stop is not None and stop.stopped):
         return iter(())

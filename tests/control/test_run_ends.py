@@ -55,9 +55,14 @@ class ScriptedGroup(FakeRankGroup):
 
 @pytest.fixture
 def sdk_calls(monkeypatch) -> list:
-    """The bundles of every `ray.autoscaler.sdk.request_resources` call, in order."""
+    """The bundles of every `ray.autoscaler.sdk.request_resources` call, in order, on a
+    cluster where Ray Data runs no autoscaling coordinator (with one, the request goes through
+    it: tests/ray/test_autoscaler_request.py)."""
     import ray.autoscaler.sdk
 
+    from raytrain_dt.control import cluster
+
+    monkeypatch.setattr(cluster, "ask_with_ray_data", lambda requester, bundles: False)
     calls: list = []
     monkeypatch.setattr(
         ray.autoscaler.sdk,
@@ -233,6 +238,10 @@ def test_a_withdrawal_that_fails_leaves_the_runs_outcome_and_the_rest_of_its_end
     """The head went with the run: the withdrawal's error is a warning, the run's own failure
     is what the caller sees, and the actors and the status record still go."""
     import ray.autoscaler.sdk
+
+    from raytrain_dt.control import cluster
+
+    monkeypatch.setattr(cluster, "ask_with_ray_data", lambda requester, bundles: False)
 
     def request_resources(num_cpus=None, bundles=None):
         if bundles == []:
