@@ -116,7 +116,7 @@ def rank_runtime_env(
 ) -> dict:
     """The rank actors' `runtime_env`: the driver variables `cluster.forward_env` names, the
     host allocator's setting, then this run's communication settings (which win, as `comm.env`
-    wins over everything). The same for every run of one config: see above."""
+    wins over everything). The same for every run of one config (the module's note)."""
     env = forwarded_env(cfg.cluster.forward_env, os.environ if environ is None else environ)
     env.update(HOST_ALLOCATOR_ENV)
     env.update(run_comm_env(cfg, cluster_mode))

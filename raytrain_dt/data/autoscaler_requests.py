@@ -53,7 +53,9 @@ def pipelines_in_groups_ask_nothing() -> None:
         )
         from ray.data._internal.execution import streaming_executor
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-    except ImportError as exc:
+
+        create_as_ray_data_does = streaming_executor.create_cluster_autoscaler
+    except (ImportError, AttributeError) as exc:
         log.warning("Ray Data's pipelines will ask the autoscaler for their groups: %s", exc)
         return
 
@@ -68,8 +70,6 @@ def pipelines_in_groups_ask_nothing() -> None:
 
         def get_reserved_resources(self) -> dict:
             return {}
-
-    create_as_ray_data_does = streaming_executor.create_cluster_autoscaler
 
     def create_cluster_autoscaler(topology, resource_manager, data_context, *, execution_id):
         strategies = (data_context.scheduling_strategy, data_context.scheduling_strategy_large_args)

@@ -112,7 +112,8 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
         self.run_dir = Path(run_dir)
         self.actor_index = actor_index
         self._log_handler: logging.Handler | None = None
-        self._flight_recorder_file_given = FLIGHT_RECORDER_FILE_ENV in os.environ  # comm.env
+        # Set by `comm.env`, or on the node: it stands.
+        self._flight_recorder_file_given = FLIGHT_RECORDER_FILE_ENV in os.environ
         self.spec: RankSpec | None = None
         self.engine = None
         self.checkpointer: RankCheckpointer | None = None
