@@ -35,8 +35,10 @@ _COORDINATOR_NAMESPACE = "AutoscalingCoordinator"
 # A run's request held by Ray Data's coordinator lapses this long after its last refresh
 # (`control/capacity.py` refreshes it well within): a killed driver's request ends by itself.
 REQUEST_EXPIRY_S = 600.0
-# How long the driver waits for the coordinator to take a request (it answers at once).
-_ANSWER_TIMEOUT_S = 30.0
+# How long the driver waits for Ray Data's coordinator to take a request (it answers at once):
+# the run's control loop (`control/coordinator.py`) waits meanwhile, so a coordinator that does
+# not answer costs the run a direct request, not its failure detection.
+_ANSWER_TIMEOUT_S = 10.0
 
 
 @functools.cache
