@@ -54,15 +54,19 @@ class ScriptedGroup(FakeRankGroup):
 
 
 @pytest.fixture
-def sdk_calls(monkeypatch) -> list:
-    """The bundles of every `ray.autoscaler.sdk.request_resources` call, in order, on a
-    cluster where Ray Data runs no autoscaling coordinator (with one, the request goes through
-    it: tests/ray/test_autoscaler_request.py)."""
-    import ray.autoscaler.sdk
-
+def no_data_coordinator(monkeypatch) -> None:
+    """A cluster where Ray Data runs no autoscaling coordinator: the run asks through Ray's SDK
+    (with one, it asks through the coordinator: tests/ray/test_autoscaler_request.py)."""
     from raytrain_dt.control import cluster
 
     monkeypatch.setattr(cluster, "ask_with_ray_data", lambda requester, bundles: False)
+
+
+@pytest.fixture
+def sdk_calls(monkeypatch, no_data_coordinator) -> list:
+    """The bundles of every `ray.autoscaler.sdk.request_resources` call, in order."""
+    import ray.autoscaler.sdk
+
     calls: list = []
     monkeypatch.setattr(
         ray.autoscaler.sdk,
@@ -233,15 +237,11 @@ def test_status_all_lists_the_live_runs_only(begin, sdk_calls, kv, monkeypatch, 
 
 
 def test_a_withdrawal_that_fails_leaves_the_runs_outcome_and_the_rest_of_its_end(
-    begin, kv, monkeypatch, caplog
+    begin, kv, monkeypatch, caplog, no_data_coordinator
 ):
     """The head went with the run: the withdrawal's error is a warning, the run's own failure
     is what the caller sees, and the actors and the status record still go."""
     import ray.autoscaler.sdk
-
-    from raytrain_dt.control import cluster
-
-    monkeypatch.setattr(cluster, "ask_with_ray_data", lambda requester, bundles: False)
 
     def request_resources(num_cpus=None, bundles=None):
         if bundles == []:
