@@ -276,13 +276,17 @@ def test_stopped_job_checkpoints_and_its_resubmission_loses_no_step(
     same job submitted again resumes there and finishes, every sample trained exactly once."""
     address, env, _ = head_node
     run_dir = tmp_path / "run"
+    # Long enough to be stopped midway: ~0.1 s a step, and the stop is sent at step 3. It
+    # usually lands within 2-3 s (about 25 steps), but once took more than 12 s (CI's solo
+    # phase; 150 steps then finished first); 400 leave over 30 s.
+    steps = 400
     overrides = [
         f"data.path={token_data}",
         f"run.dir={run_dir}",
-        "trainer.steps=150",
+        f"trainer.steps={steps}",
         "checkpoint.every_steps=0",
     ]
-    job_id = _submit(head_node, *overrides)  # long enough (~0.1 s a step) to be stopped midway
+    job_id = _submit(head_node, *overrides)
     _wait_for_steps(run_dir, 3)
     stop = subprocess.run(
         [RAY, "job", "stop", "--address", address, job_id],
@@ -294,7 +298,9 @@ def test_stopped_job_checkpoints_and_its_resubmission_loses_no_step(
     assert stop.returncode == 0, stop.stderr
     status, logs = _wait_for_job(head_node, job_id)
     assert status == "STOPPED", logs[-3000:]
-    drained = [e for e in _events(run_dir) if e["event"] == "drained"][-1]
+    drains = [e for e in _events(run_dir) if e["event"] == "drained"]
+    assert drains, "no drain: the run ended before the stop reached it"
+    drained = drains[-1]
     assert drained["reason"] == "stop: SIGTERM"
     checkpoints = (run_dir / "checkpoints").glob("step_*")
     committed = [c.name for c in checkpoints if (c / "commit.json").exists()]
@@ -302,7 +308,7 @@ def test_stopped_job_checkpoints_and_its_resubmission_loses_no_step(
     assert "run stopped at step" in logs
     status, logs = _wait_for_job(head_node, _submit(head_node, *overrides))
     assert status == "SUCCEEDED", logs[-3000:]
-    _check_trained_exactly_once(run_dir, overrides, 150)
+    _check_trained_exactly_once(run_dir, overrides, steps)
     resumed = [e for e in _events(run_dir) if e["event"] == "start"][-1]
     assert resumed["resumed_step"] == drained["step"] and resumed["lost_steps"] == 0
 
