@@ -3,6 +3,8 @@ any rank actor starts."""
 
 from __future__ import annotations
 
+from torch.utils import cpp_extension
+
 from raytrain_dt.cli import main
 
 
@@ -22,6 +24,12 @@ def test_emulated_device_that_cannot_be_built_is_one_line(
 ):
     # A machine without a working C++ compiler: the build is attempted afresh and fails.
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    # torch remembers, per process, each extension's build inputs (its build directory among
+    # them) and bumps the name to `_v1` when they change: left behind, this attempt would make
+    # this process's next load of the device library rebuild it (~20 CPU-s) as `_v1` in the
+    # shared cache, and every rank process after it rebuild the original (ninja's build file
+    # changed under it).
+    monkeypatch.setattr(cpp_extension.JIT_EXTENSION_VERSIONER, "entries", {})
     monkeypatch.setenv("CXX", "/bin/false")
     code = main(["train", "conf/tiny.yaml", "cluster.device=emulated", f"run.dir={tmp_path}/r"])
     err = capsys.readouterr().err.strip().splitlines()
