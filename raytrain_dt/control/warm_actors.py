@@ -75,6 +75,34 @@ def release_kept() -> None:
         release(kept)
 
 
+def release_on_nodes(node_ids: set[str]) -> int:
+    """Release the kept actors on these nodes, and the reservations there, before the nodes go
+    (a node given back to the cloud, or a test cluster's extra node removed): a reservation on
+    a removed node would be re-placed by Ray elsewhere, on accelerators the next run wants.
+    The rest stay kept for the next run, on the same timer. Returns how many were released."""
+    global _kept
+    with _lock:
+        kept = _kept
+        if kept is None:
+            return 0
+        staying = replace(
+            kept,
+            slots=[s for s in kept.slots if s.node_id not in node_ids],
+            reservations=[r for r in kept.reservations if r.node_id not in node_ids],
+        )
+        if staying.slots:
+            _kept = staying
+            going = WarmActors(
+                kept.key,
+                [s for s in kept.slots if s.node_id in node_ids],
+                [r for r in kept.reservations if r.node_id in node_ids],
+            )
+        else:  # nothing left to keep: every reservation goes too (its timer finds none)
+            _kept, going = None, kept
+    release(going)
+    return len(going.slots)
+
+
 def release(warm: WarmActors) -> None:
     """Kill the actors and give their bundles back (nothing to do once Ray is down: they went
     with it)."""
