@@ -76,10 +76,11 @@ def release_kept() -> None:
 
 
 def release_on_nodes(node_ids: set[str]) -> int:
-    """Release the kept actors on these nodes, and the reservations there, before the nodes go
-    (a node given back to the cloud, or a test cluster's extra node removed): a reservation on
-    a removed node would be re-placed by Ray elsewhere, on accelerators the next run wants.
-    The rest stay kept for the next run, on the same timer. Returns how many were released."""
+    """Release the kept actors on these nodes, and the reservations there, before whoever
+    started the nodes removes them (the test harness removes the nodes its chaos added): a
+    reservation on a removed node would be re-placed by Ray elsewhere, on accelerators the next
+    run wants. The rest stay kept for the next run, on the same timer. Returns how many were
+    released."""
     global _kept
     with _lock:
         kept = _kept
