@@ -17,8 +17,12 @@ from raytrain_dt.observe.metrics import read_jsonl
 from raytrain_dt.topology.parallel_dims import ParallelDims
 
 
+def _accelerator_nodes() -> list[tuple[str, int]]:
+    return [(n.node_id, n.accelerators) for n in alive_nodes(SIMULATED_ACCELERATOR)]
+
+
 def _placed_nodes(tmp_path, dims: ParallelDims) -> list[str]:
-    nodes = [(n.node_id, n.accelerators) for n in alive_nodes(SIMULATED_ACCELERATOR)]
+    nodes = _accelerator_nodes()
     group = RankGroup(str(tmp_path), SIMULATED_ACCELERATOR, cpus_per_rank=0.1)
     try:
         group.form(counts_by_node(dims.world_size, dims.tp, nodes), timeout_s=60)
@@ -32,7 +36,7 @@ def test_two_nodes_tp_groups_stay_on_one_node(fresh_actors, tmp_path):
     dp4 = ParallelDims(world_size=4, dp_shard=4)
     # Two nodes of two accelerators take two ranks each with or without TP, so one formation
     # stands for both layouts (a TP group of one is on one node by definition).
-    nodes = [(n.node_id, n.accelerators) for n in alive_nodes(SIMULATED_ACCELERATOR)]
+    nodes = _accelerator_nodes()
     assert counts_by_node(4, tp2.tp, nodes) == counts_by_node(4, dp4.tp, nodes)
     placed = _placed_nodes(tmp_path, tp2)
     assert len(set(placed)) == 2
