@@ -42,6 +42,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 
+from raytrain_dt.data.parquet_read import read_parquet
 from raytrain_dt.data.prepare import DOC_SEPARATOR, META_FILE, ROWS_PER_FILE, write_part
 from raytrain_dt.data.remote import bucket_path, is_remote, list_files, s3_filesystem
 from raytrain_dt.data.source import TokenDataset
@@ -162,7 +163,7 @@ def read_source(source: str, fmt: str, task_env: dict[str, str] | None = None):
         if task_env:
             options["runtime_env"] = {"env_vars": dict(task_env)}
     if fmt == "parquet":
-        return ray.data.read_parquet(files, **options)
+        return read_parquet(files, **options)
     if fmt == "json":
         return ray.data.read_json(files, **options)
     # One document per text file, as `prepare-data` does.

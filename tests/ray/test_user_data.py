@@ -6,6 +6,7 @@ exactly-once guarantee across a resize (sample ledger against the documented glo
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -16,7 +17,7 @@ from reference import global_batch_ids, reference_run
 from raytrain_dt.cli import main
 from raytrain_dt.config.schema import DataConfig
 from raytrain_dt.control.coordinator import train
-from raytrain_dt.data import user_data
+from raytrain_dt.data import parquet_read, user_data
 from raytrain_dt.data.prepare import prepare_dataset
 from raytrain_dt.data.source import TokenDataset
 from raytrain_dt.data.user_data import open_user_dataset
@@ -97,6 +98,35 @@ def test_missing_text_column_is_one_line(user_docs, tmp_path, capsys):
 
 # A node lost mid-run and the re-formation after it: 143-146 s in the gate beside another
 # worker, half the default 300.
+def _footer_readers_planned(ds) -> int:
+    """The size of the footer-reading actor pool in a parquet read's plan (Ray Data 2.60's
+    `ListFiles` operator and its `FooterFileIndexer`)."""
+    ops = [ds._logical_plan.dag]
+    while ops:
+        op = ops.pop()
+        if type(op).__name__ == "ListFiles":
+            return op.file_indexer._num_actors
+        ops += op.input_dependencies
+    raise AssertionError("no ListFiles operator in the read's plan")
+
+
+def test_a_parquet_read_starts_one_footer_reader_per_batch_of_files(tmp_path, monkeypatch):
+    # Ray Data's default is 32 actors, a process each, whatever the files: a read of 3 files
+    # started 10 on this host (22 CPU-s) for one batch of footers.
+    files = []
+    for i in range(25):
+        files.append(str(tmp_path / f"part-{i}.parquet"))
+        pq.write_table(pa.table({"text": [f"document {i}"]}), files[-1])
+    monkeypatch.delenv(parquet_read.POOL_SIZE_VARIABLE, raising=False)
+    assert _footer_readers_planned(parquet_read.read_parquet(files[:3])) == 1
+    assert _footer_readers_planned(parquet_read.read_parquet(files)) == 3  # batches of 10
+    assert parquet_read.POOL_SIZE_VARIABLE not in os.environ  # set only while planning
+    # A pool size the user chose is theirs.
+    monkeypatch.setenv(parquet_read.POOL_SIZE_VARIABLE, "5")
+    assert _footer_readers_planned(parquet_read.read_parquet(files[:3])) == 5
+    assert parquet_read.read_parquet(files).count() == 25
+
+
 @pytest.mark.timeout(600)
 def test_jsonl_samples_are_seen_exactly_once_across_a_lost_node(
     restore_nodes, make_config, user_docs
