@@ -36,9 +36,17 @@ SIMULATED_ACCELERATOR = "accelerator"
 #   driver's runs ever had at once, since an idle worker is reused before a new one starts
 #   (the actors' runtime_env, which the pipelines' tasks inherit, is the same from run to run:
 #   `control/comm_env.py`).
+# - No worker processes started ahead of need when the driver connects (Ray starts one per CPU
+#   on every node, with no runtime_env): the rank actors and their pipelines have a runtime_env
+#   of their own and can never take them, so they sat idle, ~2 CPU-s of imports each and then
+#   ~0.6 CPU-s a minute each (measured: 12 of them, never used, in a 4.5-minute test session of
+#   a head and two simulated nodes).
 # - A lost raylet is noticed in ~1.5 s instead of Ray's default ~15 s (simulated nodes), so a
 #   killed node is reported dead before the coordinator re-plans without it.
-OWN_INSTANCE_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 600_000}
+OWN_INSTANCE_SYSTEM_CONFIG = {
+    "idle_worker_killing_time_threshold_ms": 600_000,
+    "prestart_worker_first_driver": False,
+}
 SIMULATED_SYSTEM_CONFIG = {
     **OWN_INSTANCE_SYSTEM_CONFIG,
     "health_check_period_ms": 500,
