@@ -4,8 +4,8 @@ Ray Data 2.60 lists a parquet read's row groups by reading every file's footer o
 actors (`FooterFileIndexer`): 32 of them by default, whatever the number of files, each a new
 Ray worker process that imports Ray Data (about 2 CPU-s) and lives until the listing ends. The
 files are dealt out in batches (10 files each by default), so only as many actors as there are
-batches ever get one. Measured on this project's 2-core test host: one read of a few local files
-(one batch) started 10 such processes, 22 CPU-s in all.
+batches ever get one. Measured on this project's 2-core test host: one read of a single local
+file started 10 such processes, 22 CPU-s in all.
 
 `read_parquet` asks for one actor per batch, up to Ray's default pool. The pool's size is read
 from `RAY_DATA_PARQUET_FOOTER_NUM_ACTORS` when the read is planned, in this process, and travels

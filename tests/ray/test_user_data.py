@@ -96,8 +96,6 @@ def test_missing_text_column_is_one_line(user_docs, tmp_path, capsys):
     )
 
 
-# A node lost mid-run and the re-formation after it: 143-146 s in the gate beside another
-# worker, half the default 300.
 def _footer_readers_planned(ds) -> int:
     """The size of the footer-reading actor pool in a parquet read's plan (Ray Data 2.60's
     `ListFiles` operator and its `FooterFileIndexer`)."""
@@ -111,8 +109,8 @@ def _footer_readers_planned(ds) -> int:
 
 
 def test_a_parquet_read_starts_one_footer_reader_per_batch_of_files(tmp_path, monkeypatch):
-    # Ray Data's default is 32 actors, a process each, whatever the files: a read of 3 files
-    # started 10 on this host (22 CPU-s) for one batch of footers.
+    # Ray Data's default is 32 actors, a process each, whatever the files: a read of one file
+    # started 10 on this host (22 CPU-s).
     files = []
     for i in range(25):
         files.append(str(tmp_path / f"part-{i}.parquet"))
@@ -127,6 +125,8 @@ def test_a_parquet_read_starts_one_footer_reader_per_batch_of_files(tmp_path, mo
     assert parquet_read.read_parquet(files).count() == 25
 
 
+# A node lost mid-run and the re-formation after it: 143-146 s in the gate beside another
+# worker, half the default 300.
 @pytest.mark.timeout(600)
 def test_jsonl_samples_are_seen_exactly_once_across_a_lost_node(
     restore_nodes, make_config, user_docs
