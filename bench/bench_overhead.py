@@ -140,8 +140,6 @@ def run_ours(overrides: list[str], run_dir: Path) -> dict:
 
 
 def run_torchrun(overrides: list[str], scratch: Path) -> dict:
-    from raytrain_dt.worker.rank_actor import free_port
-
     out = scratch / "torchrun.json"
     config = scratch / "torchrun_config.json"
     config.write_text(json.dumps(fn_config(overrides, out, destroy=True)))
@@ -149,10 +147,9 @@ def run_torchrun(overrides: list[str], scratch: Path) -> dict:
         sys.executable,
         "-m",
         "torch.distributed.run",
+        "--standalone",  # its store on a port the OS picks as it binds
         "--nproc-per-node",
         "2",
-        "--master-port",
-        str(free_port()),
         str(Path(__file__).parent / "torchrun_fsdp2.py"),
         str(config),
     ]

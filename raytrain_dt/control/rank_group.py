@@ -264,10 +264,12 @@ class RankGroup:
         return len(self.slots)
 
     def master_endpoint(self, timeout_s: float | None = None) -> tuple[str, int]:
-        """Rank 0's address and a free port there; `FormationFault` when rank 0 died, a
-        TimeoutError past `timeout_s`."""
+        """Rank 0's address and the port of the store it now serves for the layout
+        (`serve_layout_store`); `FormationFault` when rank 0 died, a TimeoutError past
+        `timeout_s`."""
         rank0 = self.slots[0]
-        return rank0.ip, get_all([rank0.handle.free_port.remote()], timeout_s, [rank0.node_id])[0]
+        port = get_all([rank0.handle.serve_layout_store.remote()], timeout_s, [rank0.node_id])
+        return rank0.ip, port[0]
 
     def setup(self, specs: list[RankSpec], timeout_s: float | None = None) -> list[dict]:
         """Every rank joins the process group and builds its engine, state and data (a

@@ -131,7 +131,7 @@ def check_all_reduce(kind: str, probes: Probes) -> Check:
     if world < 2:
         return skipped(name, "one accelerator in the cluster: nothing to all-reduce with")
     size = ALLREDUCE_BYTES[kind]
-    master = (probes.facts[0]["ip"], ray.get(probes.handles[0].free_port.remote()))
+    master = (probes.facts[0]["ip"], ray.get(probes.handles[0].serve_store.remote()))
     try:
         results = ray.get(
             [

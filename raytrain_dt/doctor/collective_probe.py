@@ -9,7 +9,6 @@ bandwidth (bytes / time) x 2(n-1)/n, the traffic each link carries in a ring all
 from __future__ import annotations
 
 import importlib.metadata
-import os
 import platform
 import socket
 import time
@@ -44,6 +43,7 @@ def software_versions() -> dict:
 class CollectiveProbe:
     def __init__(self):
         self._ip = socket.gethostbyname(socket.gethostname())
+        self._served: dist.TCPStore | None = None  # as rank 0 of the next all-reduce
 
     def facts(self) -> dict:
         import ray
@@ -54,10 +54,13 @@ class CollectiveProbe:
             **software_versions(),
         }
 
-    def free_port(self) -> int:
-        from raytrain_dt.worker.rank_actor import free_port
+    def serve_store(self) -> int:
+        """Serve the all-reduce's rendezvous store, as its rank 0 (`rendezvous.serve_store`):
+        the port, for the other probes."""
+        from raytrain_dt.worker.rendezvous import serve_store
 
-        return free_port()
+        self._served = serve_store(self._ip)
+        return self._served.port
 
     def all_reduce(
         self,
@@ -75,12 +78,13 @@ class CollectiveProbe:
 
         device = select_device("fp32", ray_device_kind(kind), ray_accelerator_index())
         device.activate()
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if rank == 0:
+            store, self._served = self._served, None
+        else:
+            store = dist.TCPStore(master[0], master[1], is_master=False, timeout=timeout)
         dist.init_process_group(
-            device.backend,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=timeout_s),
+            device.backend, store=store, rank=rank, world_size=world, timeout=timeout
         )
         try:
             buffer = torch.full((size_bytes // 4,), float(rank + 1), device=device.torch_device)

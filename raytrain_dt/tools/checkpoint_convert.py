@@ -20,7 +20,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,24 +47,17 @@ FullState = dict[str, dict[str, torch.Tensor]]
 
 @contextlib.contextmanager
 def single_process_group() -> Iterator[None]:
-    """torch.distributed at world size 1 on a free local port, for the engines' collectives."""
+    """torch.distributed at world size 1, for the engines' collectives. Its store is in this
+    process: no port to pick, so none another process could take first."""
     import torch.distributed as dist
 
     if dist.is_initialized():
         raise RuntimeError("convert runs its own 1-rank process group; one is already running")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": "0",
-        "WORLD_SIZE": "1",
-        "LOCAL_RANK": "0",
-    }
+    # What the engines read of a launcher's environment (DeepSpeed its device's LOCAL_RANK).
+    env = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         yield
     finally:

@@ -56,6 +56,7 @@ class JoinsLayouts:
     _copier: PeerCopier | None  # with in-memory copies on
     _batches: InputStream | None
     _store: dist.Store | None  # the layout's (rank 0 serves it)
+    _served_store: dist.TCPStore | None  # served for the next layout, as its rank 0
     _device: DeviceSpec | None
     _chaos: RankChaos
     _tensor_shapes: dict  # the full model's, for the checkpoint record
@@ -98,7 +99,8 @@ class JoinsLayouts:
         )
         device.activate()
         self._device = device
-        joined = join_layout(spec, device.backend, device.device_type, self._stop)
+        served, self._served_store = self._served_store, None  # the layout's store holds it
+        joined = join_layout(spec, device.backend, device.device_type, self._stop, served)
         self._store, mesh = joined.store, joined.mesh
         timings["process_group_s"] = time.perf_counter() - t0
 

@@ -16,7 +16,6 @@ import gc
 import logging
 import os
 import queue
-import socket
 import threading
 import time
 import traceback
@@ -51,6 +50,7 @@ from raytrain_dt.worker.peer_copies import (
     CopyStore,
     PeerCopier,
 )
+from raytrain_dt.worker.rendezvous import serve_store
 from raytrain_dt.worker.reports import CONTROL_GROUP, RankStatus, TrainStateReport
 from raytrain_dt.worker.spec import RankSpec
 from raytrain_dt.worker.train_loop import LoopSpec, run_loop
@@ -69,12 +69,6 @@ ACTOR_CONCURRENCY_GROUPS = {COPY_GROUP: COPY_GROUP_THREADS, CONTROL_GROUP: 1}
 # `comm.env` setting of it stands.
 FLIGHT_RECORDER_FILE_ENV = "TORCH_NCCL_DEBUG_INFO_TEMP_FILE"
 FLIGHT_RECORDER_FILE_PREFIX = "nccl_trace_rank_"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("", 0))
-        return sock.getsockname()[1]
 
 
 def import_lazy_torch_modules() -> None:
@@ -131,6 +125,7 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
         self._setting_up: Future | None = None  # this layout's `_build`, until it returns
         self._batches: InputStream | None = None  # this layout's input (`_build`)
         self._store = None  # the layout's TCPStore (rank 0 serves it), while in the layout
+        self._served_store = None  # served for the next layout (`serve_layout_store`)
         self._torch_thread_id = 0  # its ident, for saying where it is stuck
         self._stop = threading.Event()
         self._error: str | None = None
@@ -209,7 +204,6 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
             "node_id": ctx.get_node_id(),
             "ip": ray.util.get_node_ip_address(),
             "pid": os.getpid(),
-            "port": free_port(),
         }
 
     # --- lifecycle ---------------------------------------------------------------------------
@@ -335,8 +329,13 @@ class RankWorker(JoinsLayouts, LeavesLayouts):
     def request_checkpoint_and_stop(self, memory_only: bool = False) -> None:
         self.checkpointer.request(stop=True, memory_only=memory_only)
 
-    def free_port(self) -> int:
-        return free_port()
+    def serve_layout_store(self) -> int:
+        """Serve the next layout's rendezvous store, as its rank 0 (`rendezvous.serve_store`;
+        its `setup` takes it): the port, for the peers' specs."""
+        import ray
+
+        self._served_store = serve_store(ray.util.get_node_ip_address())
+        return self._served_store.port
 
     def poll(self) -> RankStatus:
         self._polls += 1

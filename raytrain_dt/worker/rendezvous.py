@@ -16,6 +16,11 @@ poll instead of being given up with its in-memory copies.
 
 `join_layout` is the whole join of a rank's set-up, in this order: the rendezvous, the world
 group, the device mesh and the checkpoint's side groups, within the join deadline.
+
+Rank 0 serves the store from before its peers learn the port (`serve_store`, when the
+coordinator asks it for the layout's endpoint): the OS picks the port as the server binds it,
+so nothing on the node can take the port between its choice and the bind, as it can take a
+port found free and bound later (on a busy node, Ray's own workers and connections).
 """
 
 from __future__ import annotations
@@ -60,12 +65,24 @@ class JoinedLayout:
     checkpoint_groups: tuple[dist.ProcessGroup, dist.ProcessGroup]  # `side_groups`
 
 
-def join_layout(spec: RankSpec, backend: str, device_type: str, leave: threading.Event):
-    """Join `spec`'s layout: meet every peer on the layout's store (within the join deadline,
-    `leave` ending the wait), form the world group on it with `backend`, then the device mesh
-    and the checkpoint's side groups while every peer is known to be there. Collectives get
-    `comm.timeout_s` once the group has formed. Chaos may end the process at "forming" and
-    "joined" (`die_joining`)."""
+def serve_store(host: str) -> dist.TCPStore:
+    """A store server on a port the OS picks as it binds (`.port`); `host` is this node's
+    address, which its peers connect to."""
+    return dist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+
+
+def join_layout(
+    spec: RankSpec,
+    backend: str,
+    device_type: str,
+    leave: threading.Event,
+    served: dist.TCPStore | None,
+):
+    """Join `spec`'s layout: meet every peer on the layout's store (rank 0's `served`, within
+    the join deadline, `leave` ending the wait), form the world group on it with `backend`,
+    then the device mesh and the checkpoint's side groups while every peer is known to be
+    there. Collectives get `comm.timeout_s` once the group has formed. Chaos may end the
+    process at "forming" and "joined" (`die_joining`)."""
     os.environ.update(
         MASTER_ADDR=spec.master_addr,
         MASTER_PORT=str(spec.master_port),
@@ -78,7 +95,7 @@ def join_layout(spec: RankSpec, backend: str, device_type: str, leave: threading
     # Every peer is in before the group forms; a teardown meanwhile (`leave`) ends the wait,
     # and the waits of the groups' formation on this store (`LeavableStore`).
     store = join_store(
-        spec.master_addr, spec.master_port, spec.rank, spec.world_size, joining, leave
+        spec.master_addr, spec.master_port, spec.rank, spec.world_size, joining, leave, served
     )
     die_joining(spec.cfg.chaos, spec.rank, "joined")
     dist.init_process_group(
@@ -96,11 +113,14 @@ def join_store(
     world_size: int,
     timeout: datetime.timedelta,
     leave: threading.Event,
+    served: dist.TCPStore | None = None,
 ) -> dist.Store:
-    """The layout's store once all `world_size` ranks have joined it (rank 0 serves it).
-    JoinAborted when `leave` is set first; TimeoutError after `timeout`."""
+    """The layout's store once all `world_size` ranks have joined it (rank 0 serves it:
+    `served`, from `serve_store` at `master_port`). JoinAborted when `leave` is set first;
+    TimeoutError after `timeout`."""
     deadline = time.monotonic() + timeout.total_seconds()
-    store = LeavableStore(_connect(master_addr, master_port, rank, timeout, deadline, leave), leave)
+    inner = _connect(master_addr, master_port, rank, timeout, deadline, leave, served)
+    store = LeavableStore(inner, leave)
     store.add(JOINED_KEY, 1)
     while (joined := store.add(JOINED_KEY, 0)) < world_size:
         if leave.is_set():
@@ -173,9 +193,16 @@ def _connect(
     timeout: datetime.timedelta,
     deadline: float,
     leave: threading.Event,
+    served: dist.TCPStore | None,
 ) -> dist.Store:
-    if rank == 0:  # binds at once; its peers' connections are what the counter waits for
-        return dist.TCPStore(addr, port, is_master=True, timeout=timeout, wait_for_workers=False)
+    if rank == 0:  # its peers' connections are what the counter waits for
+        if served is None or served.port != port:
+            raise RuntimeError(
+                f"rank 0 serves no store at port {port}: the layout's endpoint comes from rank "
+                "0's `serve_store`"
+            )
+        served.set_timeout(timeout)
+        return served
     attempt = datetime.timedelta(seconds=CONNECT_ATTEMPT_S)
     while True:
         try:

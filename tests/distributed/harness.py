@@ -65,6 +65,27 @@ def settle_rank_process() -> None:
     os.setpriority(os.PRIO_PROCESS, 0, max(current, RAY_WORKER_NICENESS))
 
 
+def join_served_group(
+    rank: int, world: int, port: int, timeout_s: float, backend: str = "gloo", prefix: str = ""
+) -> None:
+    """Form the process group of `world` spawned ranks on the store that their test process
+    serves at `port` (`rendezvous.serve_store`, held for the ranks' life), under `prefix`. The
+    OS picked that port as the server bound it, so nothing can have taken it since (a port
+    found free and bound later by rank 0 was, at times, taken meanwhile by the other xdist
+    worker's Ray: EADDRINUSE)."""
+    import torch.distributed as dist
+
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timeout)
+    dist.init_process_group(
+        backend,
+        store=dist.PrefixStore(prefix, store) if prefix else store,
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
+
+
 @dataclass(frozen=True)
 class Job:
     cfg: object  # TrainConfig
@@ -134,14 +155,8 @@ def _run_job(rank: int, job: Job) -> JobResult:
     # One accelerator per rank, as on a GPU node (the emulated device has eight, all host RAM).
     device = select_device(job.precision, job.device, index=rank)
     device.activate()
-    timeout = datetime.timedelta(seconds=PG_TIMEOUT_S)
-    store = dist.TCPStore("127.0.0.1", job.store_port, is_master=False, timeout=timeout)
-    dist.init_process_group(
-        device.backend,
-        store=dist.PrefixStore(job.store_prefix, store),
-        rank=rank,
-        world_size=dims.world_size,
-        timeout=timeout,
+    join_served_group(
+        rank, dims.world_size, job.store_port, PG_TIMEOUT_S, device.backend, job.store_prefix
     )
     try:
         mesh = build_mesh(dims, device.device_type)
@@ -271,14 +286,12 @@ class WorkerPool:
     """`size` rank processes; `run(cfg, layout, steps)` trains on the first world_size."""
 
     def __init__(self, size: int = 4):
-        import torch.distributed as dist
+        from raytrain_dt.worker.rendezvous import serve_store
 
         ctx = rank_process_context()
-        # The jobs' rendezvous store, served from this process for the pool's life: the OS
-        # picks its port as it binds, so nothing can take the port between a choice and a bind
-        # (a port found free and bound later by rank 0 was, at times, taken meanwhile by the
-        # other xdist worker's Ray: EADDRINUSE). Each job rendezvouses under its own prefix.
-        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        # The jobs' rendezvous store, served from this process for the pool's life
+        # (`join_served_group`); each job rendezvouses under its own prefix.
+        self._store = serve_store("127.0.0.1")
         self._jobs = 0
         self._conns = []
         self._procs = []

@@ -18,16 +18,10 @@ from __future__ import annotations
 import socket
 
 import pytest
-from harness import rank_process_context, settle_rank_process
+from harness import join_served_group, rank_process_context, settle_rank_process
 
 # The layout's collective timeout: rank 1's wait ends by then even if rank 0 holds its groups.
 PG_TIMEOUT_S = 30
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(
@@ -72,13 +66,7 @@ def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, ob
 
     # ZeRO-3, micro-batch 2; an MoE model's experts split over both ranks where ep is set
     layout = Layout(ParallelDims(world_size=2, dp_shard=2, ep=cfg.parallel.ep or 1), 3, 2, 1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=PG_TIMEOUT_S),
-    )
+    join_served_group(rank, 2, port, PG_TIMEOUT_S)
     mesh = build_mesh(layout.dims, "cpu")
     worker.engine = build_engine(EngineBuild(model_spec(cfg), cfg, layout, mesh, device))
     worker._device = device
@@ -215,8 +203,10 @@ def _two_ranks(
     ctx = rank_process_context()
     out = ctx.Queue()
     peer_waiting, peer_returned = ctx.Event(), ctx.Event()
-    port = _free_port()
-    args = (port, cfg, str(tmp_path), out, peer_waiting, peer_returned, fails_in)
+    from raytrain_dt.worker.rendezvous import serve_store
+
+    store = serve_store("127.0.0.1")
+    args = (store.port, cfg, str(tmp_path), out, peer_waiting, peer_returned, fails_in)
     procs = [ctx.Process(target=_rank, args=(r, *args)) for r in range(2)]
     for proc in procs:
         proc.start()

@@ -15,7 +15,7 @@ import socket
 import traceback
 
 import pytest
-from harness import rank_process_context, settle_rank_process
+from harness import join_served_group, rank_process_context, settle_rank_process
 
 WORLD = 4
 ATOL, RTOL = 1e-6, 1e-5
@@ -34,13 +34,7 @@ def _check_rank(rank: int, port: int, queue) -> None:
         from raytrain_dt.parallel import context_parallel
         from raytrain_dt.parallel.context_parallel import Ring, chunk_positions
 
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=WORLD,
-            timeout=datetime.timedelta(seconds=60),
-        )
+        join_served_group(rank, WORLD, port, timeout_s=60)
         singles = [dist.new_group([r]) for r in range(WORLD)]
         pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
         worst = 0.0
@@ -77,18 +71,14 @@ def _check_rank(rank: int, port: int, queue) -> None:
         queue.put((rank, None, traceback.format_exc()))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.timeout(120)
 def test_ring_attention_equals_full_attention():
     ctx = rank_process_context()
     queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_check_rank, args=(r, port, queue)) for r in range(WORLD)]
+    from raytrain_dt.worker.rendezvous import serve_store
+
+    store = serve_store("127.0.0.1")
+    procs = [ctx.Process(target=_check_rank, args=(r, store.port, queue)) for r in range(WORLD)]
     for p in procs:
         p.start()
     results = [queue.get(timeout=100) for _ in procs]

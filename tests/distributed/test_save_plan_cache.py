@@ -11,7 +11,7 @@ import socket
 import traceback
 
 import pytest
-from harness import rank_process_context, settle_rank_process
+from harness import join_served_group, rank_process_context, settle_rank_process
 
 WORLD = 2
 
@@ -43,8 +43,7 @@ def _rank(rank: int, port: int, root: str, errors) -> None:
         from raytrain_dt.topology.layout import Layout
         from raytrain_dt.topology.parallel_dims import ParallelDims
 
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+        join_served_group(rank, WORLD, port, timeout_s=60)
         layout = Layout(ParallelDims(world_size=WORLD, dp_shard=WORLD), 3, 1, 1)
         tokens = torch.randint(0, 64, (1, 8), generator=torch.Generator().manual_seed(rank))
         step = 0
@@ -74,12 +73,14 @@ def _rank(rank: int, port: int, root: str, errors) -> None:
 
 
 def test_a_new_formation_plans_its_saves_afresh(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from raytrain_dt.worker.rendezvous import serve_store
+
+    store = serve_store("127.0.0.1")
     ctx = rank_process_context()
     errors = ctx.Queue()
-    procs = [ctx.Process(target=_rank, args=(r, port, str(tmp_path), errors)) for r in range(2)]
+    procs = [
+        ctx.Process(target=_rank, args=(r, store.port, str(tmp_path), errors)) for r in range(2)
+    ]
     for proc in procs:
         proc.start()
     for proc in procs:

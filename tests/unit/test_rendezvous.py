@@ -5,12 +5,20 @@ import datetime
 import threading
 import time
 
-from raytrain_dt.worker.rendezvous import JOIN_POLL_S, KEY_POLL_MAX_S, JoinAborted, join_store
+import pytest
+
+from raytrain_dt.worker.rendezvous import (
+    JOIN_POLL_S,
+    KEY_POLL_MAX_S,
+    JoinAborted,
+    join_store,
+    serve_store,
+)
 
 LONG = datetime.timedelta(seconds=60)
 
 
-def _free_port() -> int:
+def _unserved_port() -> int:
     import socket
 
     with socket.socket() as sock:
@@ -19,12 +27,17 @@ def _free_port() -> int:
 
 
 def _join_in_threads(ranks, world_size, timeout, leave):
-    port, outcomes = _free_port(), {}
+    """`ranks` join in threads; rank 0 (when among them) on the store it serves, as the actor
+    does (`RankWorker.serve_layout_store`)."""
+    served = serve_store("127.0.0.1") if 0 in ranks else None
+    port, outcomes = served.port if served else _unserved_port(), {}
 
     def join(rank):
         started = time.monotonic()
         try:
-            store = join_store("127.0.0.1", port, rank, world_size, timeout, leave)
+            store = join_store(
+                "127.0.0.1", port, rank, world_size, timeout, leave, served if rank == 0 else None
+            )
             outcomes[rank] = (store, time.monotonic() - started)
         except Exception as exc:  # the outcome under test
             outcomes[rank] = (exc, time.monotonic() - started)
@@ -119,3 +132,15 @@ def test_a_group_forming_on_the_joined_store_stops_waiting_for_a_peer_lost_after
     exc, took = alone[0]
     assert isinstance(exc, JoinAborted) and "left while waiting" in str(exc)
     assert 1.0 <= took < 1.0 + 2 * KEY_POLL_MAX_S + 1.0
+
+
+def test_rank_0_joins_only_on_the_store_it_serves():
+    """The port in the spec is the one rank 0's server bound: one it would bind only now could
+    have been taken since it was chosen."""
+    served = serve_store("127.0.0.1")
+    for held in (None, served):
+        port = served.port + 1 if held is served else served.port
+        with pytest.raises(RuntimeError, match=f"rank 0 serves no store at port {port}"):
+            join_store("127.0.0.1", port, 0, 1, LONG, threading.Event(), held)
+    store = join_store("127.0.0.1", served.port, 0, 1, LONG, threading.Event(), served)
+    assert store.add("raytrain_dt/joined", 0) == 1
