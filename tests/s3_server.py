@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import socket
 
 import pytest
 
@@ -19,21 +18,17 @@ BUCKET = "rtdt-ckpt"
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION", "AWS_ENDPOINT_URL")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def s3_endpoint():
     """A moto S3 server with one bucket; AWS_* point at it for the module's duration."""
     from moto.server import ThreadedMotoServer
 
     logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    # Port 0: the OS picks it as the server binds, so no other process can take it between a
+    # choice and the bind (and a failed bind would leave `start` waiting forever).
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
     server.start()
+    port = server.get_host_and_port()[1]
     env = dict(zip(S3_ENV, ("testing", "testing", "us-east-1", f"http://127.0.0.1:{port}")))
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
