@@ -15,8 +15,6 @@ when given its step to return, not given up as stuck after a fixed grace.
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 from harness import join_served_group, rank_process_context, settle_rank_process
 
@@ -48,11 +46,9 @@ def _build_and_step(worker, device, rank: int, port: int, cfg) -> tuple[list, ob
     """On the worker's torch thread, as the actor does: the process group, the mesh, the
     engine and checkpointer, one step trained together; weak references to every group the
     layout made, and the mesh's dp_shard group."""
-    import datetime
     import weakref
 
     import torch
-    import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
     from raytrain_dt.engines.base import EngineBuild

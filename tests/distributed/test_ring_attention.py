@@ -10,8 +10,6 @@ attention, with the query rows in one tile and in several.
 
 from __future__ import annotations
 
-import datetime
-import socket
 import traceback
 
 import pytest

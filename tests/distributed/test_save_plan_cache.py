@@ -6,8 +6,6 @@ reloads equal to the state it saved."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import socket
 import traceback
 
 import pytest
