@@ -71,10 +71,10 @@ def _check_rank(rank: int, port: int, queue) -> None:
 
 @pytest.mark.timeout(120)
 def test_ring_attention_equals_full_attention():
-    ctx = rank_process_context()
-    queue = ctx.Queue()
     from raytrain_dt.worker.rendezvous import serve_store
 
+    ctx = rank_process_context()
+    queue = ctx.Queue()
     store = serve_store("127.0.0.1")
     procs = [ctx.Process(target=_check_rank, args=(r, store.port, queue)) for r in range(WORLD)]
     for p in procs:
